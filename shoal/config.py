@@ -1,0 +1,280 @@
+"""Engine configuration: frozen dataclasses grouped by concern, built once from `EngineArgs`.
+
+Config never changes after it is built. Facts found at run time (the number of KV blocks, the
+eos id) travel in their own objects, never written back here. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Device = Literal["cpu", "cuda"]
+DTYPES = ("float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")
+EXECUTOR_BACKENDS = ("uni", "ray")
+_DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model runs, in which dtype, and how long its sequences may be."""
+
+    model: str
+    tokenizer: str
+    served_model_name: str
+    dtype: str
+    max_model_len: int
+    hf_config: Any = field(repr=False, compare=False)
+    architecture: str
+    vocab_size: int
+    seed: int
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    quantization: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, prefix caching and how much memory it may take."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    # CPU: the KV cache's size in bytes. GPU: overrides the profiled size when given.
+    kv_cache_memory_bytes: int | None = None
+    # Forces the number of KV blocks (tests use it to force preemption).
+    num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token budget of one step and the most requests running at once."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor and pipeline parallelism, and the executor that drives the workers."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    # Layers per pipeline stage; None splits them as evenly as possible.
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    ray_address: str | None = None
+    # Seconds to wait for the placement group before failing with the missing resources.
+    placement_group_timeout_s: float = 120.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: Device = "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs to start, grouped by concern."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """The user-facing engine arguments (the `LLM(...)` keywords and `shoal serve` flags)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    enforce_eager: bool = False
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    ray_address: str | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate the arguments and build the frozen config (raises `ValueError`)."""
+        device = _resolve_device(self.device)
+        model_config = self._model_config(device)
+        max_num_batched_tokens = self.max_num_batched_tokens or (8192 if device == "cuda" else 2048)
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be at least 1")
+        _require(max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be a power of 2 <= 128")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=model_config.max_model_len,
+            ),
+            parallel_config=self._parallel_config(model_config),
+            device_config=DeviceConfig(device=device),
+        )
+
+    def _model_config(self, device: Device) -> ModelConfig:
+        model = self.model
+        if model is None:
+            from shoal.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+
+            model = ensure_demo_model()
+            served = self.served_model_name or DEMO_MODEL_NAME
+        else:
+            served = self.served_model_name or model
+        if not Path(model).is_dir():
+            raise ValueError(f"model {model!r} is not a local directory with a config.json")
+        hf_config = _load_hf_config(model)
+        architecture = _architecture(hf_config)
+        derived_len = _derived_max_model_len(hf_config)
+        max_model_len = self.max_model_len or derived_len
+        _require(max_model_len >= 1, "max_model_len must be at least 1")
+        if max_model_len > derived_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's maximum of {derived_len} "
+                "(max_position_embeddings in config.json)"
+            )
+        _require(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}")
+        _require(self.quantization in (None, "fp8"), "quantization must be None or 'fp8'")
+        return ModelConfig(
+            model=model,
+            tokenizer=self.tokenizer or model,
+            served_model_name=served,
+            dtype=_resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len,
+            hf_config=hf_config,
+            architecture=architecture,
+            vocab_size=int(hf_config.vocab_size),
+            seed=self.seed,
+            load_format=self.load_format,
+            enforce_eager=self.enforce_eager,
+            quantization=self.quantization,
+        )
+
+    def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        _require(tp >= 1 and pp >= 1, "tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        backend = self.distributed_executor_backend or ("ray" if tp * pp > 1 else "uni")
+        _require(backend in EXECUTOR_BACKENDS, f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
+        _require(backend == "ray" or tp * pp == 1, "tensor/pipeline parallelism needs the 'ray' executor")
+        _require(pp <= model_config.num_layers, f"pipeline_parallel_size={pp} exceeds the {model_config.num_layers} layers")
+        partition = self.pipeline_layer_partition
+        if partition is not None:
+            partition = tuple(int(n) for n in partition)
+            _require(len(partition) == pp, "pipeline_layer_partition needs one entry per stage")
+            _require(all(n >= 1 for n in partition), "each pipeline stage needs at least one layer")
+            _require(sum(partition) == model_config.num_layers, "pipeline_layer_partition must sum to the layer count")
+        return ParallelConfig(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            distributed_executor_backend=backend,
+            pipeline_layer_partition=partition,
+            ray_address=self.ray_address,
+        )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _resolve_device(device: str) -> Device:
+    if device == "cpu":
+        return "cpu"
+    if device in ("cuda", "gpu"):
+        return "cuda"
+    if device != "auto":
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: Device) -> str:
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if dtype in DTYPES:
+        return dtype
+    if dtype != "auto":
+        raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
+    if device == "cpu":
+        return "float32"  # CPU kernels for half types are slow, and float32 matches HF exactly
+    checkpoint = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "")
+    checkpoint = checkpoint.replace("torch.", "")
+    return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
+
+
+def _load_hf_config(model: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read the config of model {model!r}: {exc}") from exc
+
+
+def _architecture(hf_config: Any) -> str:
+    from shoal.models.registry import supported_architectures
+
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for name in architectures:
+        if name in supported_architectures():
+            return name
+    raise ValueError(
+        f"model architectures {architectures} are not supported; "
+        f"shoal supports {sorted(supported_architectures())}"
+    )
+
+
+def _derived_max_model_len(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if value:
+            return int(value)
+    return 2048

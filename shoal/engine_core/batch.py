@@ -1,0 +1,81 @@
+"""What one engine step sends to the workers (`SchedulerOutput`) and gets back
+(`ModelRunnerOutput`).
+
+Workers keep a persistent copy of every running request, so the scheduler sends diffs: a
+request's full state once (`NewRequestData`), then only what changed (`CachedRequestData`).
+These are msgspec structs so the executor can serialize a step once for all workers.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shoal.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the workers have not seen (or must rebuild after a preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What changed for a request the workers already hold."""
+
+    req_id: str
+    # Output tokens the engine accepted since the workers last saw this request.
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step: which requests run, and how many of their tokens (`num_scheduled_tokens`,
+    in batch order: new requests after cached ones, as `scheduled_req_ids` lists them)."""
+
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the workers must forget: finished, aborted or preempted since the last step.
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    # The step's id, so that pipeline-parallel outputs can be matched to their step.
+    step_id: int = 0
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Logprobs of several positions, one row per position.
+
+    Row i: `token_ids[i][0]` is the token actually at (or sampled for) that position and
+    `logprobs[i][0]` its logprob; the rest are the top-N tokens in descending order.
+    `ranks[i]` is the rank of the actual token among all tokens (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end])
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The sampled tokens of one step, aligned with `req_ids` (an empty list for a request
+    whose prompt is not finished yet)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request (aligned with req_ids) when it asked for logprobs.
+    logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    # Per request, the rows of the prompt positions computed this step (position 0 excluded).
+    prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    step_id: int = 0

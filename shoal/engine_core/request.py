@@ -1,0 +1,94 @@
+"""`Request`: one sequence's state inside the engine core, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from shoal.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A prompt and its generated tokens, and how far the KV cache has computed them.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache (or scheduled to be written
+    this step); `num_tokens - num_computed_tokens` tokens are still to be computed.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        max_tokens: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = max_tokens
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first scheduled (-1: not yet scheduled).
+        self.num_cached_tokens = -1
+        # Hashes of the request's full blocks, extended as tokens arrive (see KVCacheManager).
+        self.block_hashes: list[bytes] = []
+        self.stop_reason: int | str | None = None
+        # Output tokens the workers have not been told about yet (sent with the next step).
+        self.num_output_tokens_sent = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def take_unsent_output_token_ids(self) -> list[int]:
+        """Output tokens sampled since the workers last heard of this request."""
+        unsent = self.all_token_ids[self.num_prompt_tokens + self.num_output_tokens_sent :]
+        self.num_output_tokens_sent = self.num_output_tokens
+        return unsent

@@ -1,0 +1,295 @@
+"""`Scheduler`: continuous batching under one token budget per step.
+
+A step is a map request → number of tokens to compute. Running requests come first (decodes
+need one token; a prompt being prefilled in chunks takes what the budget leaves), then waiting
+requests in arrival order, starting after their prefix-cache hit. A prompt longer than the
+budget is chunked across steps. When the KV cache runs out of blocks, the newest running
+request is preempted: its blocks are freed and it waits to be recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from shoal.config import CacheConfig, SchedulerConfig
+from shoal.engine_core.batch import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from shoal.engine_core.block_pool import KVCacheBlock
+from shoal.engine_core.kv_cache_manager import KVCacheManager
+from shoal.engine_core.request import Request, RequestStatus
+from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests whose step is still executing (pipeline parallelism keeps several steps in
+        # flight); they are not scheduled again until their output is back.
+        self.in_flight: set[str] = set()
+        self._finished_req_ids: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        return len(self.in_flight) < len(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        scheduled_new: list[Request] = []
+        num_preemptions_before = self.num_preemptions
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(request, budget)
+            if request.request_id in self.in_flight or num_new_tokens == 0:
+                index += 1
+                continue
+            blocks = self._allocate_or_preempt(request, num_new_tokens)
+            if blocks is None:
+                break  # the request itself was preempted, or nothing could give way
+            num_scheduled[request.request_id] = num_new_tokens
+            self.in_flight.add(request.request_id)
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new_tokens
+            index += 1
+
+        # New requests only when no running one had to give up its blocks this step.
+        preempted = self.num_preemptions > num_preemptions_before
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            num_scheduled[request.request_id] = num_new_tokens
+            self.in_flight.add(request.request_id)
+            scheduled_new.append(request)
+            budget -= num_new_tokens
+
+        return self._make_output(num_scheduled, new_blocks, scheduled_new)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Allocate the request's new slots, preempting the newest running requests until they
+        fit; None when the request itself was preempted or no request could give way."""
+        while True:
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if blocks is not None:
+                return blocks
+            victim = self._newest_preemptible()
+            if victim is None:
+                return None
+            self.running.remove(victim)
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _newest_preemptible(self) -> Request | None:
+        """The newest running request that is neither scheduled in this step nor still
+        executing an earlier one (its output must come back before it may be rebuilt)."""
+        for request in reversed(self.running):
+            if request.request_id not in self.in_flight:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_req_ids.append(request.request_id)
+        logger.debug("preempted %s", request.request_id)
+
+    def _make_output(
+        self,
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+        scheduled_new: list[Request],
+    ) -> SchedulerOutput:
+        cached_reqs = []
+        for request_id, block_ids in new_blocks.items():
+            request = self.requests[request_id]
+            cached_reqs.append(
+                CachedRequestData(
+                    req_id=request_id,
+                    new_token_ids=request.take_unsent_output_token_ids(),
+                    new_block_ids=block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        new_reqs = []
+        for request in scheduled_new:
+            request.num_output_tokens_sent = request.num_output_tokens
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        self._step_id += 1
+        output = SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            step_id=self._step_id,
+        )
+        self._finished_req_ids = []
+        # The scheduled tokens count as computed from now on: their KV is written this step.
+        for request_id, num_tokens in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        return output
+
+    # ---- results of a step ------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append the sampled tokens, finish requests that stopped, and report to the frontend."""
+        outputs = []
+        num_generation_tokens = 0
+        for request_id in scheduler_output.num_scheduled_tokens:
+            self.in_flight.discard(request_id)
+        for request_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids, strict=True):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            new_token_ids = []
+            for token_id in token_ids:
+                request.append_output_token_id(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            num_generation_tokens += len(new_token_ids)
+            prompt_logprobs = model_output.prompt_logprobs.get(request_id)
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            logprobs = model_output.logprobs.get(request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=logprobs.slice(0, len(new_token_ids)) if logprobs else None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+        stats = self.make_stats(
+            num_prompt_tokens=scheduler_output.total_num_scheduled_tokens - num_generation_tokens,
+            num_generation_tokens=num_generation_tokens,
+        )
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _check_stop(self, request: Request) -> bool:
+        """Finish the request if its last token ends it; True when it did."""
+        params = request.sampling_params
+        last = request.all_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if last == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.in_flight.discard(request.request_id)
+        self._finished_req_ids.append(request.request_id)
+
+    # ---- statistics and cache control -------------------------------------------------------
+
+    def make_stats(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage(),
+            num_used_blocks=kv.block_pool.num_used_blocks,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=num_generation_tokens,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        self.kv_cache_manager.reset_prefix_cache()
+        return True

@@ -1,0 +1,46 @@
+"""Every environment variable shoal reads, read once here at import, typed.
+
+Nothing else in shoal calls `os.environ`; the Ray executor forwards the variables named in
+`FORWARDED_PREFIXES` to every worker through the actors' runtime_env.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# Where the converted demo model and built artefacts are cached.
+SHOAL_CACHE_DIR: str = _str(
+    "SHOAL_CACHE_DIR", str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shoal")
+)
+# Logging level of the `shoal` logger.
+SHOAL_LOGGING_LEVEL: str = _str("SHOAL_LOGGING_LEVEL", "INFO")
+# Threads torch may use on CPU workers (0: torch's default).
+SHOAL_CPU_THREADS: int = _int("SHOAL_CPU_THREADS", 0)
+# Disable loading the compiled csrc library even where it is built.
+SHOAL_DISABLE_CSRC: bool = _bool("SHOAL_DISABLE_CSRC", False)
+
+# Variables forwarded to every worker process (Ray runtime_env), by prefix.
+FORWARDED_PREFIXES: tuple[str, ...] = ("SHOAL_", "NCCL_", "GLOO_", "HF_", "TORCH_", "OMP_")
+
+
+def forwarded_environment() -> dict[str, str]:
+    """The subset of this process's environment that workers on any node must see."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}

@@ -1,0 +1,24 @@
+"""Which model class serves which Hugging Face architecture name (imports no torch)."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture name in config.json → (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("shoal.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("shoal.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("shoal.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("shoal.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> set[str]:
+    return set(_MODELS)
+
+
+def resolve_model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        raise ValueError(f"architecture {architecture!r} is not supported; shoal supports {sorted(_MODELS)}")
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,97 @@
+"""`SamplingParams`: how one request is decoded, with the field names vLLM users know.
+
+It is a `msgspec.Struct` so that it crosses the frontend → engine-core boundary without pickle.
+Every value is checked in `__post_init__`; a bad one raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# Below this temperature sampling is greedy (argmax).
+_GREEDY_EPS = 1e-5
+# The most logprobs a request may ask for per position.
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Decoding parameters of one request.
+
+    Logprobs (`logprobs`, `prompt_logprobs`) are computed from the raw logits of the model,
+    before temperature, penalties or top-k/top-p/min-p are applied (the convention of vLLM V1).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}"
+                )
+        _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes: object) -> SamplingParams:
+        """A copy with some fields changed (validated again)."""
+        return msgspec.structs.replace(self, **changes)
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} {message}")
