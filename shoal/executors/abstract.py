@@ -1,0 +1,75 @@
+"""`Executor`: the engine core's narrow view of its workers.
+
+An executor starts the workers, sizes and allocates the KV cache on all of them, runs each
+step, and forwards `collective_rpc` calls. `UniProcExecutor` runs one worker in the engine-core
+process; `RayExecutor` runs one worker actor per GPU (or CPU bundle) in a placement group.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any
+
+from shoal.config import EngineConfig
+from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A worker (or the engine-core process) died; the engine cannot serve any more."""
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_workers()
+
+    @staticmethod
+    def create(config: EngineConfig) -> Executor:
+        backend = config.parallel_config.distributed_executor_backend
+        if backend == "ray":
+            from shoal.executors.ray_executor import RayExecutor
+
+            return RayExecutor(config)
+        from shoal.executors.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+
+    @abstractmethod
+    def _init_workers(self) -> None:
+        """Start the workers, initialize their devices and load the model."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call `method` on every worker; returns each worker's result in rank order."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on all workers; returns the sampling rank's output."""
+
+    def initialize_kv_cache(self) -> int:
+        """Size the KV cache (the smallest that fits on every worker) and allocate it
+        everywhere; returns the number of blocks."""
+        override = self.config.cache_config.num_gpu_blocks_override
+        num_blocks = override or min(self.collective_rpc("determine_num_kv_blocks"))
+        if num_blocks < 1:
+            raise RuntimeError(
+                "no memory is left for the KV cache: lower max_num_batched_tokens, "
+                "raise gpu_memory_utilization / kv_cache_memory_bytes, or use a smaller model"
+            )
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+        return num_blocks
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if any worker is gone."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and free their resources."""

@@ -1,0 +1,34 @@
+"""`UniProcExecutor`: one worker in the engine-core process (CPU, or a single GPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.executors.abstract import Executor
+
+
+class UniProcExecutor(Executor):
+    def _init_workers(self) -> None:
+        from shoal.workers.worker import Worker
+
+        self.worker = Worker(self.config, rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        return [self.worker.call(method, args, kwargs or {})]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self.worker.execute_model(scheduler_output)
+        assert output is not None, "the only worker always samples"
+        return output
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,96 @@
+"""Incremental detokenization and stop strings.
+
+Text is produced token by token. A fast tokenizer uses the `tokenizers` library's
+`DecodeStream`, which holds back bytes until they form whole UTF-8 characters and gets
+SentencePiece/BPE spacing right by decoding each token in the context of the ones before it.
+Other tokenizers decode the whole output again each step and emit the new, complete suffix.
+
+Stop strings are searched only in the newly added text (plus enough of the old to catch one
+that straddles the boundary). Text that could still turn into a stop string is held back from
+streamed deltas until it cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from shoal.sampling_params import SamplingParams
+
+# Prompt tokens given to DecodeStream as context for the first generated token's spacing.
+_PROMPT_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.output_text = ""
+        self._stop = params.stop
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._num_sent_chars = 0
+        self._stream = _make_stream(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        # The slow-tokenizer path: every output token and their whole decoded text.
+        self._token_ids: list[int] = []
+        self._decoded = ""
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+        """Add new tokens' text; return the stop string that ended the text, if one did.
+
+        `stop_terminated`: the last token is an eos or stop token; its text is left out unless
+        `include_stop_str_in_output` (as vLLM does).
+        """
+        if not self.params.detokenize:
+            return None
+        if stop_terminated and not self.params.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
+        old_len = len(self.output_text)
+        for token_id in new_token_ids:
+            self.output_text += self._decode_next(token_id)
+        return self._find_stop(old_len)
+
+    def _decode_next(self, token_id: int) -> str:
+        if self._stream is not None:
+            return self._stream.step(self.tokenizer._tokenizer, token_id) or ""
+        self._token_ids.append(token_id)
+        text = self.tokenizer.decode(self._token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        delta, self._decoded = text[len(self._decoded) :], text
+        return delta
+
+    def _find_stop(self, old_len: int) -> str | None:
+        if not self._stop:
+            return None
+        search_from = max(0, old_len - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for stop in self._stop:
+            index = self.output_text.find(stop, search_from)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        end = index + len(stop) if self.params.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        return stop
+
+    def text_delta(self, finished: bool) -> str:
+        """Text not yet streamed, holding back a tail that might still become a stop string."""
+        end = len(self.output_text)
+        if not finished and self._max_stop_len and not self.params.include_stop_str_in_output:
+            end = max(self._num_sent_chars, end - self._max_stop_len + 1)
+        delta = self.output_text[self._num_sent_chars : end]
+        self._num_sent_chars = end
+        return delta
+
+
+def _make_stream(tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> DecodeStream | None:
+    if getattr(tokenizer, "_tokenizer", None) is None:
+        return None  # not a fast tokenizer: decode the whole output each step
+    context = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+    try:
+        return DecodeStream(context, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers before 0.22 take no prompt context
+        return DecodeStream(skip_special_tokens=skip_special_tokens)

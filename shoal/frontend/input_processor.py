@@ -1,0 +1,83 @@
+"""`InputProcessor`: validates and tokenizes a prompt into an `EngineCoreRequest`.
+
+Everything a user can get wrong is caught here, before anything reaches the engine core, and
+raised as `ValueError` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from shoal.config import ModelConfig
+from shoal.frontend.tokenizer import generation_eos_token_ids
+from shoal.protocol import EngineCoreRequest
+from shoal.sampling_params import SamplingParams
+
+# A prompt: text, {"prompt": text} or {"prompt_token_ids": [...]}, or a list of token ids.
+PromptType = str | dict[str, Any] | list[int]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_id: int | None = tokenizer.eos_token_id if tokenizer is not None else None
+        extra = [t for t in generation_eos_token_ids(model_config.model) if t != self.eos_token_id]
+        self.extra_eos_token_ids = extra
+        if self.eos_token_id is None and extra:
+            self.eos_token_id = extra.pop(0)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (if it has one) and its token ids."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self._encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass prompt token ids")
+        return list(self.tokenizer.encode(text))
+
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        self.validate_prompt(prompt_token_ids)
+        room = self.model_config.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if not params.ignore_eos and self.extra_eos_token_ids:
+            params = params.clone(stop_token_ids=sorted(set(params.stop_token_ids) | set(self.extra_eos_token_ids)))
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            max_tokens=max_tokens,
+        )
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        max_model_len = self.model_config.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {max_model_len}: "
+                "no room is left to generate"
+            )
+        vocab_size = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of the vocabulary [0, {vocab_size})")

@@ -1,0 +1,178 @@
+"""`LLM`: offline batched generation with the names vLLM users know.
+
+    from shoal import LLM, SamplingParams
+    llm = LLM()  # the demo model; or LLM("path/to/hf-folder", dtype="bfloat16", ...)
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from shoal.config import EngineArgs
+from shoal.frontend.chat import Conversation, render_chat
+from shoal.frontend.core_client import EngineCoreClient, InprocClient
+from shoal.frontend.input_processor import InputProcessor, PromptType
+from shoal.frontend.output_processor import OutputKind, OutputProcessor
+from shoal.frontend.tokenizer import get_tokenizer
+from shoal.outputs import RequestOutput
+from shoal.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """An engine for offline generation. Keyword arguments are `EngineArgs` fields
+    (dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    enable_prefix_caching, load_format, seed, device, tensor_parallel_size, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise ValueError(f"unknown LLM arguments {unknown}; see shoal.config.EngineArgs")
+        self.config = EngineArgs(model=model, **kwargs).create_engine_config()
+        self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core: EngineCoreClient = InprocClient(self.config)
+        self._request_counter = itertools.count()
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt, batched by the engine; outputs come back in
+        the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
+        return self._run(tokenized, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        rendered = [
+            render_chat(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs)
+            for c in conversations  # type: ignore[arg-type]
+        ]
+        return self._run(rendered, _as_params_list(sampling_params, len(rendered)), use_tqdm)
+
+    def _run(
+        self, prompts: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        for (_, token_ids), _params in zip(prompts, params_list):
+            self.input_processor.validate_prompt(token_ids)  # fail before anything is queued
+        order = {}
+        for (text, token_ids), params in zip(prompts, params_list):
+            request_id = str(next(self._request_counter))
+            order[request_id] = len(order)
+            self._add_request(request_id, text, token_ids, params)
+        finished = self._run_engine(len(prompts), use_tqdm)
+        return sorted(finished, key=lambda o: order[o.request_id])
+
+    def _add_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        children = self.output_processor.add_request(request_id, text, token_ids, params, OutputKind.FINAL_ONLY)
+        arrival = time.time()
+        for child_id, child_params in children:
+            self.engine_core.add_request(self.input_processor.process(child_id, token_ids, child_params, arrival))
+
+    def _run_engine(self, num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
+        bar = tqdm(total=num_prompts, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start = time.perf_counter()
+        num_in, num_out = 0, 0
+        try:
+            while self.output_processor.has_unfinished_requests():
+                outputs = self.engine_core.get_output()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                for output in processed.request_outputs:
+                    finished.append(output)
+                    num_in += len(output.prompt_token_ids)
+                    num_out += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"input: {num_in / elapsed:.0f} toks/s, output: {num_out / elapsed:.0f} toks/s")
+                    bar.update(1)
+        except BaseException:
+            self._abort_all()
+            raise
+        finally:
+            bar.close()
+        return finished
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.output_processor.parents):
+            self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
+
+    # ---- engine control ------------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        """Call a method on every worker and return each worker's result (rank order)."""
+        return self.engine_core.call_utility("collective_rpc", method, args, kwargs, timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> dict[str, Any]:
+        """The engine core's counters: running/waiting requests, used KV blocks, prefix cache."""
+        return self.engine_core.call_utility("get_stats")
+
+    def shutdown(self) -> None:
+        client = getattr(self, "engine_core", None)
+        if client is not None:
+            client.shutdown()
+            self.engine_core = None  # type: ignore[assignment]
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    prompt_list = list(prompts)
+    if not prompt_list:
+        raise ValueError("no prompts given")
+    return prompt_list
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params_list = list(params)
+    if len(params_list) != num_prompts:
+        raise ValueError(f"got {len(params_list)} sampling params for {num_prompts} prompts")
+    if not all(isinstance(p, SamplingParams) for p in params_list):
+        raise ValueError("sampling_params must be SamplingParams objects")
+    return params_list

@@ -1,0 +1,219 @@
+"""`OutputProcessor`: turns the engine core's token ids into `RequestOutput`s.
+
+It detokenizes incrementally, applies stop strings (a hit finishes the request here and asks
+the core to abort it), formats logprobs, and joins the `n` child requests of a prompt back
+into one `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.engine_core.batch import LogprobsLists
+from shoal.frontend.detokenizer import IncrementalDetokenizer
+from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from shoal.protocol import EngineCoreOutput
+from shoal.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output carries everything so far
+    DELTA = "delta"  # every output carries only what is new (streaming)
+    FINAL_ONLY = "final_only"  # one output per prompt, when all its completions are done
+
+
+@dataclass
+class ParentRequest:
+    """A prompt as the user sent it, with its `n` completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: OutputKind
+    completions: list[CompletionOutput]
+    child_ids: list[str]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    num_finished: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.completions)
+
+
+@dataclass
+class ChildState:
+    parent: ParentRequest
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    # Child requests that finished here (stop strings) and must be aborted in the core.
+    reqs_to_abort: list[str]
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Each of the n completions samples on its own; with a seed, completion i uses seed + i."""
+    changes: dict[str, Any] = {"n": 1}
+    if params.seed is not None and index:
+        changes["seed"] = (params.seed + index) % 2**63
+    return params.clone(**changes)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, ChildState] = {}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a prompt; returns the (child request id, params) pairs to send to the core."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = child_request_ids(request_id, params.n)
+        parent = ParentRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            output_kind=output_kind,
+            completions=[CompletionOutput(index=i, text="", token_ids=[]) for i in range(params.n)],
+            child_ids=child_ids,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        self.parents[request_id] = parent
+        children = []
+        for index, child_id in enumerate(child_ids):
+            child_params = child_sampling_params(params, index)
+            if params.logprobs is not None:
+                parent.completions[index].logprobs = []
+                parent.completions[index].cumulative_logprob = 0.0
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
+            self.children[child_id] = ChildState(parent, index, child_params, detokenizer)
+            children.append((child_id, child_params))
+        return children
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a prompt; returns its unfinished child ids for the core to abort."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for child_id in parent.child_ids:
+            self.children.pop(child_id, None)
+        return [c for i, c in enumerate(parent.child_ids) if parent.completions[i].finish_reason is None]
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        request_outputs = []
+        reqs_to_abort = []
+        for output in outputs:
+            child = self.children.get(output.request_id)
+            if child is None:
+                continue  # aborted by the user while the step ran
+            stopped_by_string = self._update_child(child, output)
+            if stopped_by_string and not output.finished:
+                reqs_to_abort.append(output.request_id)
+            request_output = self._make_request_output(child)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _update_child(self, child: ChildState, output: EngineCoreOutput) -> bool:
+        """Apply one engine output to a completion; True when a stop string ended it."""
+        parent = child.parent
+        completion = parent.completions[child.index]
+        completion.token_ids.extend(output.new_token_ids)
+        parent.num_cached_tokens = output.num_cached_tokens
+        if output.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
+            parent.prompt_logprobs.extend(self._format_logprobs(output.new_prompt_logprobs))
+        if output.new_logprobs is not None and completion.logprobs is not None:
+            completion.logprobs.extend(self._format_logprobs(output.new_logprobs))
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+                row[0] for row in output.new_logprobs.logprobs
+            )
+        # The core finishes with "stop" only on eos or a stop token id (stop strings are ours).
+        stop_terminated = output.finish_reason == "stop"
+        stop_string = child.detokenizer.update(output.new_token_ids, stop_terminated)
+        completion.text = child.detokenizer.output_text
+        finish_reason, stop_reason = output.finish_reason, output.stop_reason
+        if stop_string is not None:
+            finish_reason, stop_reason = "stop", stop_string
+        if finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+            parent.num_finished += 1
+            self.children.pop(output.request_id, None)
+            if parent.finished:
+                del self.parents[parent.request_id]
+        return stop_string is not None
+
+    def _make_request_output(self, child: ChildState) -> RequestOutput | None:
+        parent = child.parent
+        if parent.output_kind == OutputKind.FINAL_ONLY:
+            if not parent.finished:
+                return None
+            completions = parent.completions
+        elif parent.output_kind == OutputKind.DELTA:
+            completions = [self._delta(child)]
+        else:
+            completions = [parent.completions[child.index]]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    def _delta(self, child: ChildState) -> CompletionOutput:
+        """What is new in a completion since it was last streamed."""
+        full = child.parent.completions[child.index]
+        finished = full.finish_reason is not None
+        delta = CompletionOutput(
+            index=full.index,
+            text=child.detokenizer.text_delta(finished),
+            token_ids=full.token_ids[child.num_sent_tokens :],
+            cumulative_logprob=full.cumulative_logprob,
+            logprobs=full.logprobs[child.num_sent_logprobs :] if full.logprobs is not None else None,
+            finish_reason=full.finish_reason,
+            stop_reason=full.stop_reason,
+        )
+        child.num_sent_tokens = len(full.token_ids)
+        child.num_sent_logprobs = len(full.logprobs or ())
+        return delta
+
+    def _format_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
+        rows = []
+        for token_ids, logprobs, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            row: PositionLogprobs = {}
+            for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+                if token_id not in row:
+                    # The actual token has its true rank; the top-N are ranked 1..N.
+                    row[token_id] = Logprob(logprob, rank if i == 0 else i, self._decode(token_id))
+            rows.append(row)
+        return rows
+
+    def _decode(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

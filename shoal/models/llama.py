@@ -1,0 +1,258 @@
+"""Llama (Touvron et al., 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models"; Meta,
+2024, "The Llama 3 Herd of Models") and the models that share its architecture: Mistral 7B
+(Jiang et al., 2023), SmolLM2 (Allal et al., 2025). Qwen2 and Qwen3 reuse these blocks.
+
+A decoder-only transformer with pre-normalization (RMSNorm), rotary position embeddings,
+grouped-query attention and a SwiGLU MLP:
+
+    h = x + Attention(RMSNorm(x))
+    out = h + MLP(RMSNorm(h))
+
+As in most inference engines each residual add is fused into the RMSNorm that follows it, so a
+layer returns its two branches (output, residual) and the next layer's norm adds them.
+Hugging Face checkpoint names map one to one onto these modules, except that q/k/v_proj are
+loaded into one fused qkv_proj and gate/up_proj into one fused gate_up_proj.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.distributed.parallel_state import get_pp_group, pp_layer_range
+from shoal.layers.activation import SiluAndMul
+from shoal.layers.attention import Attention
+from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.layers.layernorm import RMSNorm
+from shoal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shoal.layers.rotary import RotaryEmbedding, get_rope, rope_params_from_config
+from shoal.layers.weight_utils import default_weight_loader
+from shoal.models.utils import head_dim_of, layer_index, warn_if_sliding_window
+
+logger = logging.getLogger(__name__)
+
+IntermediateTensors = dict[str, torch.Tensor]
+
+# Checkpoint projections fused into one parameter: (fused name, checkpoint name, shard id).
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP (Shazeer, 2020): down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str):
+        super().__init__()
+        if hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act={hidden_act!r} is not supported (only silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with RoPE; subclasses change the biases or add a q/k norm."""
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        qkv_bias, o_bias = self.biases(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.head_dim**-0.5, self.qkv_proj.num_kv_heads)
+
+    @staticmethod
+    def biases(config: Any) -> tuple[bool, bool]:
+        """(q/k/v projections have a bias, output projection has a bias)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views, [num_tokens, *_size]
+        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
+        return self.o_proj(self.attn(q, k, v))
+
+
+def _add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); the first layer has no residual yet, only x."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, attention_cls: type[LlamaAttention]):
+        super().__init__()
+        self.self_attn = attention_cls(config, rotary_emb)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = _add_and_norm(self.input_layernorm, hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, this pipeline stage's decoder layers, final norm.
+
+    Layers are kept in a ModuleDict keyed by their global index, so parameter names are the
+    checkpoint's names on every stage ("model.layers.17.mlp...").
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        attention_cls: type[LlamaAttention],
+        pipeline_layer_partition: tuple[int, ...] | None = None,
+    ):
+        super().__init__()
+        warn_if_sliding_window(config)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = pp_layer_range(
+            config.num_hidden_layers, pp.rank_in_group, pp.world_size, pipeline_layer_partition
+        )
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin cache shared by every layer (it can be large: max_position x head_dim).
+        self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_params_from_config(config))
+        self.layers = nn.ModuleDict(
+            {
+                str(i): LlamaDecoderLayer(config, self.rotary_emb, attention_cls)
+                for i in range(self.start_layer, self.end_layer)
+            }
+        )
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
+        else:
+            assert intermediate_tensors is not None, "a later pipeline stage needs the previous stage's tensors"
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers.values():
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.is_last_stage:
+            return {"hidden_states": hidden_states, "residual": residual}
+        hidden_states, _ = _add_and_norm(self.norm, hidden_states, residual)
+        return hidden_states  # [num_tokens, hidden_size]
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model runner's interface: forward, compute_logits, load_weights, attention_layers."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(
+        self,
+        hf_config: Any,
+        quant_config: Any = None,
+        *,
+        pipeline_layer_partition: tuple[int, ...] | None = None,
+    ):
+        super().__init__()
+        if quant_config is not None:
+            raise NotImplementedError(f"quantization {quant_config!r} is not supported by {type(self).__name__}")
+        self.config = hf_config
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, self.attention_cls, pipeline_layer_partition)
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+            if self.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size] on the last
+        pipeline stage, else {"hidden_states", "residual"} for the next stage."""
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [num_tokens, hidden_size] -> logits [num_tokens, vocab_size]."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def attention_layers(self) -> list[Attention]:
+        """This stage's attention layers in layer order, for the runner to bind `kv_cache`."""
+        return [layer.self_attn.attn for layer in self.model.layers.values()]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Load Hugging Face (name, tensor) pairs; returns the names of the parameters loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, weight in weights:
+            for param_name, shard_id in self._targets(name):
+                if param_name not in params:
+                    if not self._on_other_stage(name):
+                        logger.warning("checkpoint tensor %s matches no parameter; skipped", name)
+                    continue
+                param = params[param_name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                if shard_id is None:
+                    loader(param, weight)
+                else:
+                    loader(param, weight, shard_id)
+                loaded.add(param_name)
+        return loaded
+
+    def _targets(self, name: str) -> list[tuple[str, str | int | None]]:
+        """The (parameter name, shard id) pairs a checkpoint tensor is loaded into."""
+        if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            return []
+        if self.tie_word_embeddings and name == "model.embed_tokens.weight":
+            # When embedding and head live on different stages, the head loads its own copy.
+            head_has_own_copy = self.model.is_last_stage and not self.model.is_first_stage
+            return [(name, None)] + ([("lm_head.weight", None)] if head_has_own_copy else [])
+        for fused, original, shard_id in STACKED_PARAMS:
+            if original in name:
+                return [(name.replace(original, fused), shard_id)]
+        return [(name, None)]
+
+    def _on_other_stage(self, name: str) -> bool:
+        index = layer_index(name)
+        if index is not None:
+            return not self.model.start_layer <= index < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return not self.model.is_first_stage
+        if name.startswith(("model.norm.", "lm_head.")):
+            return not self.model.is_last_stage
+        return False

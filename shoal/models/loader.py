@@ -1,0 +1,107 @@
+"""Build a model for this worker's pipeline stage and tensor-parallel rank, and fill its weights
+from a Hugging Face safetensors folder (or with small random values for `load_format="dummy"`).
+
+Each checkpoint tensor is handed to `load_weights` as a lazy safetensors slice, so every
+parameter's `weight_loader` reads only its own rank's rows or columns from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shoal.config import ModelConfig, ParallelConfig
+from shoal.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def get_model(
+    model_config: ModelConfig, device: torch.device, parallel_config: ParallelConfig | None = None
+) -> nn.Module:
+    """The model of `model_config.architecture`, on `device` in `model_config.dtype`, with weights."""
+    start = time.perf_counter()
+    model_cls = resolve_model_class(model_config.architecture)
+    partition = parallel_config.pipeline_layer_partition if parallel_config is not None else None
+    with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
+        model = model_cls(model_config.hf_config, pipeline_layer_partition=partition)
+    with torch.no_grad():
+        if model_config.load_format == "dummy":
+            initialize_dummy_weights(model, model_config.seed)
+        else:
+            loaded = model.load_weights(iterate_safetensors(model_config.model))
+            check_all_loaded(model, loaded)
+    logger.info(
+        "Loaded %s (%s, %s) on %s in %.2f s",
+        model_config.architecture,
+        model_config.dtype,
+        model_config.load_format,
+        device,
+        time.perf_counter() - start,
+    )
+    return model.eval()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def safetensors_files(model_dir: str) -> list[Path]:
+    """The checkpoint's shards: those the index names when there is one (a folder may also hold
+    differently named consolidated weights), else every *.safetensors file."""
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {model_dir} (only safetensors checkpoints are supported; "
+            "use load_format='dummy' for random weights)"
+        )
+    return files
+
+
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) for every tensor of the checkpoint; a slice reads from disk only when indexed."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                yield name, f.get_slice(name)
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise ValueError(f"the checkpoint has no weights for {len(missing)} parameters: {shown}")
+
+
+def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Every parameter uniform in [-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE], the same on every
+    device for a given seed (drawn on the CPU in float32, then copied)."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, param in sorted(model.named_parameters()):
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+            -DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator
+        )
+        param.data.copy_(values)

@@ -1,0 +1,237 @@
+"""`ModelRunner`: turns a `SchedulerOutput` into one forward pass and sampled tokens.
+
+Each step: apply the scheduler's diffs to the persistent `InputBatch`; gather the flat batch
+(token ids, positions, slot mapping, block tables) with numpy; run the model under the step's
+attention metadata; compute logits only where a token is sampled (or prompt logprobs are
+wanted); sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shoal.config import EngineConfig
+from shoal.distributed.parallel_state import get_pp_group, get_tp_group
+from shoal.engine_core.batch import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from shoal.forward_context import AttentionMetadata, set_forward_context
+from shoal.workers.input_batch import InputBatch, RequestState
+from shoal.workers.sampler import Sampler, build_sampling_metadata, logprobs_lists
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """The flat model inputs of one step, and which rows of the output to use."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    # Requests that sample this step (their prompt is complete) and their last token's row.
+    sampling_req_ids: list[str]
+    logits_indices: np.ndarray
+    # Requests that want prompt logprobs: (req_id, rows, target token ids) computed this step.
+    prompt_logprob_rows: list[tuple[str, np.ndarray, np.ndarray]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.model_config = config.model_config
+        self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
+        self.block_size = config.cache_config.block_size
+        max_model_len = config.model_config.max_model_len
+        self.input_batch = InputBatch(
+            max_num_reqs=config.scheduler_config.max_num_seqs,
+            max_model_len=max_model_len,
+            max_blocks_per_req=-(-max_model_len // self.block_size),
+            device=device,
+        )
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    @property
+    def is_sampling_rank(self) -> bool:
+        """Only the last pipeline stage's first tensor-parallel rank returns tokens."""
+        return get_pp_group().is_last_rank and get_tp_group().is_first_rank
+
+    # ---- model and KV cache ----------------------------------------------------------------
+
+    def load_model(self) -> None:
+        from shoal.models.loader import get_model
+
+        self.model = get_model(self.model_config, self.device, self.config.parallel_config)
+
+    def kv_cache_block_bytes(self) -> int:
+        """Bytes of one KV block across this worker's attention layers (K and V)."""
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_dim * element_bytes
+            for layer in self._model.attention_layers()
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate each layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim]
+        (index 0 holds keys, 1 values), and bind it to the layer."""
+        self.kv_caches = []
+        for layer in self._model.attention_layers():
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.input_batch.update(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
+        inputs = self._prepare_inputs(scheduler_output)
+        with set_forward_context(inputs.attn_metadata):
+            hidden_states = self._model(inputs.input_ids, inputs.positions)
+        if not self.is_sampling_rank:
+            return None
+        output = self._sample(inputs, hidden_states)
+        output.step_id = scheduler_output.step_id
+        return output
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
+        req_ids = scheduler_output.scheduled_req_ids
+        slots = np.array([batch.requests[r].slot for r in req_ids], dtype=np.int64)
+        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+
+        # Token t belongs to request req_index[t] and sits at positions[t] in its sequence.
+        req_index = np.repeat(np.arange(len(req_ids)), num_scheduled)  # [num_tokens]
+        start = batch.num_computed_tokens[slots]  # [num_reqs] tokens already in the cache
+        positions = np.repeat(start - query_start_loc[:-1], num_scheduled) + np.arange(num_tokens)
+        token_slots = slots[req_index]
+        input_ids = batch.token_ids[token_slots, positions]
+        block_ids = batch.block_table[token_slots, positions // self.block_size]
+        slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = start + num_scheduled  # [num_reqs] context length after this step
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        block_tables = batch.block_table[slots, :max_blocks]
+
+        samples = seq_lens >= batch.num_tokens[slots]  # this step completes the known tokens
+        attn_metadata = self._attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping)
+        return StepInputs(
+            req_ids=req_ids,
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            attn_metadata=attn_metadata,
+            sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
+            logits_indices=query_start_loc[1:][samples] - 1,
+            prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
+        )
+
+    def _attention_metadata(
+        self,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: np.ndarray,
+    ) -> AttentionMetadata:
+        query_lens = np.diff(query_start_loc)
+        query_start_loc_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
+        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        return AttentionMetadata(
+            num_reqs=len(seq_lens),
+            num_tokens=int(query_start_loc[-1]),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=query_start_loc_cpu.to(self.device, non_blocking=True),
+            seq_lens=seq_lens_cpu.to(self.device, non_blocking=True),
+            block_tables=self._to_device(np.ascontiguousarray(block_tables)),
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            is_decode_only=bool((query_lens == 1).all()),
+        )
+
+    def _prompt_logprob_rows(
+        self, req_ids: list[str], start: np.ndarray, query_start_loc: np.ndarray, num_scheduled: np.ndarray
+    ) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """For requests that asked for prompt logprobs: the rows whose logits predict a prompt
+        token (position p predicts token p + 1), and those target tokens."""
+        rows = []
+        for i, req_id in enumerate(req_ids):
+            state = self.input_batch.requests[req_id]
+            if state.sampling_params.prompt_logprobs is None:
+                continue
+            first, end = int(start[i]), min(int(start[i] + num_scheduled[i]), state.num_prompt_tokens - 1)
+            if end <= first:
+                continue
+            positions = np.arange(first, end)
+            targets = self.input_batch.token_ids[state.slot, positions + 1]
+            rows.append((req_id, positions - first + query_start_loc[i], targets))
+        return rows
+
+    def _sample(self, inputs: StepInputs, hidden_states: torch.Tensor) -> ModelRunnerOutput:
+        model = self._model
+        states = [self.input_batch.requests[r] for r in inputs.sampling_req_ids]
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, LogprobsLists] = {}
+        if states:
+            logits = model.compute_logits(hidden_states[self._to_device(inputs.logits_indices)])
+            metadata = build_sampling_metadata(states, logits.shape[-1], self.device)
+            result = self.sampler(logits, metadata)
+            token_ids = result.sampled_token_ids.tolist()  # the one host sync of the step
+            sampled = {s.req_id: [t] for s, t in zip(states, token_ids)}
+            if result.logprobs is not None:
+                logprobs = self._split_logprobs(states, result)
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            sampled_token_ids=[sampled.get(r, []) for r in inputs.req_ids],
+            logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(inputs, hidden_states),
+        )
+
+    @staticmethod
+    def _split_logprobs(states: list[RequestState], result) -> dict[str, LogprobsLists]:
+        wanted = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+        index = torch.tensor(wanted, device=result.logprobs.device)
+        lists = logprobs_lists(
+            result.logprob_token_ids[index],
+            result.logprobs[index],
+            result.sampled_ranks[index],
+            [states[i].sampling_params.logprobs for i in wanted],
+        )
+        return {states[i].req_id: lp for i, lp in zip(wanted, lists)}
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:
+        result = {}
+        for req_id, rows, targets in inputs.prompt_logprob_rows:
+            num_logprobs = self.input_batch.requests[req_id].sampling_params.prompt_logprobs or 0
+            logits = self._model.compute_logits(hidden_states[self._to_device(rows)])
+            logprobs = logits.float().log_softmax(dim=-1)  # [num_rows, vocab]
+            target = self._to_device(targets)[:, None]
+            target_lp = logprobs.gather(-1, target)
+            ranks = (logprobs > target_lp).sum(dim=-1) + 1
+            top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
+            result[req_id] = LogprobsLists(
+                torch.cat([target, top_ids], dim=-1).tolist(),
+                torch.cat([target_lp, top_lp], dim=-1).tolist(),
+                ranks.tolist(),
+            )
+        return result
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    @property
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("the model is not loaded")
+        return self.model

@@ -1,0 +1,192 @@
+"""`Sampler`: from one row of logits per request to the next token, on the device.
+
+Order of operations (as transformers' `generate` applies them): repetition, frequency and
+presence penalties; min_tokens (eos and stop tokens masked); then for sampled rows temperature,
+top-k, top-p and min-p; greedy rows take the argmax of the penalized logits. Sampling uses the
+exponential race (argmax of p / q, q ~ Exp(1)), equivalent to drawing from p; a request with a
+seed draws its q from its own generator, so its tokens do not depend on what else is batched.
+
+Logprobs come from the raw logits, before any of the above (vLLM V1's convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.engine_core.batch import LogprobsLists
+from shoal.workers.input_batch import RequestState
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of one step, as device tensors (None where unused)."""
+
+    temperature: torch.Tensor  # [num_rows] float32, 1.0 on greedy rows
+    greedy: torch.Tensor  # [num_rows] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [num_rows] int64, 0 = off
+    top_p: torch.Tensor | None  # [num_rows] float32
+    min_p: torch.Tensor | None  # [num_rows] float32
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int  # -1: no row wants logprobs
+    # Penalties: token histories padded with vocab_size (a bin that is dropped).
+    repetition_penalty: torch.Tensor | None  # [num_rows]
+    frequency_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    prompt_token_ids: torch.Tensor | None  # [num_rows, max_prompt_len]
+    output_token_ids: torch.Tensor | None  # [num_rows, max_output_len]
+    # Rows still under min_tokens and the tokens they may not sample yet.
+    min_tokens_mask: list[tuple[int, list[int]]]
+
+
+def build_sampling_metadata(
+    states: list[RequestState], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    params = [s.sampling_params for s in states]
+    greedy = [p.greedy for p in params]
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    use_penalties = any(
+        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+    )
+    return SamplingMetadata(
+        temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+        greedy=column(greedy, torch.bool),
+        all_greedy=all(greedy),
+        top_k=column([p.top_k for p in params], torch.int64) if any(p.top_k > 0 for p in params) else None,
+        top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1.0 for p in params) else None,
+        min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
+        generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+        max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        repetition_penalty=column([p.repetition_penalty for p in params], torch.float32) if use_penalties else None,
+        frequency_penalty=column([p.frequency_penalty for p in params], torch.float32) if use_penalties else None,
+        presence_penalty=column([p.presence_penalty for p in params], torch.float32) if use_penalties else None,
+        prompt_token_ids=_pad([s.prompt_token_ids for s in states], vocab_size, device) if use_penalties else None,
+        output_token_ids=_pad([s.output_token_ids for s in states], vocab_size, device) if use_penalties else None,
+        min_tokens_mask=[(i, _min_tokens_banned(s)) for i, s in enumerate(states) if _under_min_tokens(s)],
+    )
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64).reshape(len(rows), width).to(device, non_blocking=True)
+
+
+def _under_min_tokens(state: RequestState) -> bool:
+    return len(state.output_token_ids) < state.sampling_params.min_tokens
+
+
+def _min_tokens_banned(state: RequestState) -> list[int]:
+    banned = list(state.sampling_params.stop_token_ids)
+    if state.eos_token_id is not None and not state.sampling_params.ignore_eos:
+        banned.append(state.eos_token_id)
+    return banned
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    # Row i: [sampled, top-1, ..., top-N] token ids and logprobs; ranks of the sampled tokens.
+    logprob_token_ids: torch.Tensor | None = None  # [num_rows, 1 + N]
+    logprobs: torch.Tensor | None = None  # [num_rows, 1 + N]
+    sampled_ranks: torch.Tensor | None = None  # [num_rows]
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()  # [num_rows, vocab_size]
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs >= 0 else None
+        logits = apply_penalties(logits, metadata)
+        for row, banned in metadata.min_tokens_mask:
+            logits[row, banned] = -float("inf")
+        sampled = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            probs = processed_probs(logits, metadata)
+            random = sample_from_probs(probs, metadata.generators)
+            sampled = torch.where(metadata.greedy, sampled, random)
+        output = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            _gather_logprobs(output, raw_logprobs, sampled, metadata.max_num_logprobs)
+        return output
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty (over prompt and output tokens, as in CTRL and transformers), then
+    frequency and presence penalties (over output tokens, as in OpenAI's API)."""
+    if md.repetition_penalty is None:
+        return logits
+    assert md.prompt_token_ids is not None and md.output_token_ids is not None
+    assert md.frequency_penalty is not None and md.presence_penalty is not None
+    num_rows, vocab_size = logits.shape
+    output_counts = _bin_counts(md.output_token_ids, num_rows, vocab_size)  # [num_rows, vocab]
+    seen = (_bin_counts(md.prompt_token_ids, num_rows, vocab_size) + output_counts) > 0
+    penalty = torch.where(seen, md.repetition_penalty[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - md.frequency_penalty[:, None] * output_counts
+    return logits - md.presence_penalty[:, None] * (output_counts > 0)
+
+
+def _bin_counts(token_ids: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """How often each token occurs per row; the padding id `vocab_size` lands in a dropped bin."""
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution sampled rows draw from: temperature, then top-k, top-p, min-p."""
+    logits = logits / md.temperature[:, None]
+    if md.top_k is not None or md.top_p is not None:
+        logits = _top_k_top_p(logits, md.top_k, md.top_p)
+    probs = logits.softmax(dim=-1)
+    if md.min_p is not None:
+        threshold = md.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < threshold, 0.0, probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask all but each row's k most likely tokens, then all but the smallest set whose
+    probability reaches top_p (the most likely token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [num_rows, vocab]
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size)
+        ranks = torch.arange(vocab_size, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], -float("inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], -float("inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row drawn from `probs` by the exponential race (no host sync)."""
+    q = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div(q).argmax(dim=-1)
+
+
+def _gather_logprobs(output: SamplerOutput, raw_logprobs: torch.Tensor, sampled: torch.Tensor, n: int) -> None:
+    sampled_lp = raw_logprobs.gather(-1, sampled[:, None])  # [num_rows, 1]
+    output.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
+    top_lp, top_ids = raw_logprobs.topk(n, dim=-1) if n > 0 else (sampled_lp[:, :0], sampled[:, None][:, :0])
+    output.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=-1)
+    output.logprobs = torch.cat([sampled_lp, top_lp], dim=-1)
+
+
+def logprobs_lists(
+    token_ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor, num_logprobs: list[int]
+) -> list[LogprobsLists]:
+    """Split per-row logprob tensors into one `LogprobsLists` (of one row) per request, each
+    cut to the number of logprobs it asked for."""
+    ids, lps, rks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
+    return [LogprobsLists([ids[i][: n + 1]], [lps[i][: n + 1]], [rks[i]]) for i, n in enumerate(num_logprobs)]

@@ -1,0 +1,106 @@
+"""`Worker`: one device's share of the engine — device setup, model, KV cache, and steps.
+
+The same class runs in the engine-core process (`UniProcExecutor`) and inside a Ray actor
+(`RayExecutor`), one per GPU or CPU bundle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shoal import envs
+from shoal.config import EngineConfig
+from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.workers.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Default KV-cache size on CPU when `kv_cache_memory_bytes` is not given.
+_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.device = torch.device("cpu")
+        self.model_runner: ModelRunner | None = None
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        if self.config.device_config.device == "cuda":
+            # Ray (or the user) already chose the visible GPUs; never reassign them here.
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        elif envs.SHOAL_CPU_THREADS > 0:
+            torch.set_num_threads(envs.SHOAL_CPU_THREADS)
+        torch.manual_seed(self.config.model_config.seed)
+        self.model_runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def determine_num_kv_blocks(self) -> int:
+        """How many KV blocks fit in this worker's budget (CPU: a fixed byte budget; GPU:
+        profiled from the memory left after weights and peak activations)."""
+        block_bytes = self.runner.kv_cache_block_bytes()
+        if self.device.type == "cuda":
+            available = self.runner.profile_available_kv_cache_memory()
+        else:
+            available = self.config.cache_config.kv_cache_memory_bytes or _CPU_KV_CACHE_BYTES
+            available = min(available, self._cpu_kv_bytes_needed(block_bytes))
+        num_blocks = available // block_bytes
+        logger.info(
+            "KV cache budget %.2f GiB → %d blocks (%d tokens)",
+            available / 2**30,
+            num_blocks,
+            num_blocks * self.config.cache_config.block_size,
+        )
+        return num_blocks
+
+    def _cpu_kv_bytes_needed(self, block_bytes: int) -> int:
+        """On CPU, never allocate more than every sequence at full length could use."""
+        block_size = self.config.cache_config.block_size
+        blocks_per_seq = -(-self.config.model_config.max_model_len // block_size)
+        return block_bytes * blocks_per_seq * self.config.scheduler_config.max_num_seqs
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    # ---- steps and calls -------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(scheduler_output)
+
+    def call(self, method: str | Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Run a `collective_rpc` call: a method of this worker by name, or a function that
+        receives the worker as its first argument."""
+        if callable(method):
+            return method(self, *args, **kwargs)
+        if method.startswith("_") or not hasattr(self, method):
+            raise ValueError(f"workers have no method {method!r}")
+        return getattr(self, method)(*args, **kwargs)
+
+    def check_health(self) -> bool:
+        return True
+
+    def report_device(self) -> str:
+        """This worker's device, by UUID on GPU (what placement tests compare)."""
+        if self.device.type == "cuda":
+            return str(torch.cuda.get_device_properties(self.device).uuid)
+        return "cpu"
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("the worker's device is not initialized (call init_device first)")
+        return self.model_runner

@@ -1,0 +1,113 @@
+"""Tiny random Hugging Face checkpoints (config.json, model.safetensors, tokenizer) for tests.
+
+Each kind exercises one code path of the model files: GQA, Llama 3.1 rope scaling, QKV bias
+with tied embeddings, QK-norm with an explicit head_dim, attention/MLP biases with a vocabulary
+that no tensor-parallel size divides and a single KV head. Weights use a large init std so that
+greedy generation is not degenerate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_odd_vocab")
+
+BOS, EOS = "<|bos|>", "<|eos|>"
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! This is a tiny tokenizer for shoal tests.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "one two three four five six seven eight nine ten",
+    "Large language models generate text one token at a time.",
+]
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|bos|>{{ message['role'] }}: {{ message['content'] }}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant: {% endif %}"
+)
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+)
+
+_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(vocab_size=384)),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            vocab_size=384,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(vocab_size=384, sliding_window=None)),
+    "qwen2": (
+        "Qwen2Config",
+        dict(vocab_size=384, tie_word_embeddings=True, rope_parameters=dict(rope_theta=1e6)),
+    ),
+    "qwen3": ("Qwen3Config", dict(vocab_size=384, head_dim=32, rope_parameters=dict(rope_theta=1e6))),
+    "llama_odd_vocab": (
+        "LlamaConfig",
+        dict(vocab_size=1001, num_key_value_heads=1, attention_bias=True, mlp_bias=True, num_hidden_layers=2),
+    ),
+}
+
+
+def make_tokenizer(path: Path, vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on a few sentences, with bos/eos and a chat template,
+    padded with filler tokens to exactly `vocab_size` so that every model id decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[BOS, EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=EOS
+    )
+    fast.add_tokens([f"<|filler_{i}|>" for i in range(vocab_size - len(fast))])
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny float32 checkpoint of `kind` (one of KINDS) with its tokenizer into `path`."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config_name, overrides = _CONFIGS[kind]
+    tokenizer = make_tokenizer(path, overrides["vocab_size"])
+    config = getattr(transformers, config_name)(
+        **{**_COMMON, **overrides},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    assert config.vocab_size == len(tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

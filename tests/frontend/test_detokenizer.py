@@ -1,0 +1,93 @@
+"""Incremental detokenization and stop strings, on the demo model's real tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shoal.frontend.detokenizer import IncrementalDetokenizer
+from shoal.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello, world! This is shoal.",
+    "héllo wörld — naïve café, 你好世界, emoji 🙂🚀 and ünïcödé.",
+    "  leading spaces\n\ttabs and\nnewlines  ",
+    "def f(x):\n    return x ** 2  # squares",
+]
+
+
+class SlowTokenizer:
+    """The demo tokenizer seen through the slow-tokenizer interface only (no `_tokenizer`)."""
+
+    def __init__(self, fast: Any) -> None:
+        self._fast = fast
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def stream(tokenizer: Any, prompt: list[int], output: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+    detok = IncrementalDetokenizer(tokenizer, prompt, params)
+    for token_id in output:
+        if detok.update([token_id], stop_terminated=False) is not None:
+            break
+    return detok
+
+
+@pytest.mark.parametrize("slow", [False, True])
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_batch_decode(demo_tokenizer: Any, text: str, slow: bool) -> None:
+    prompt = demo_tokenizer.encode("Say something:")
+    output = demo_tokenizer.encode(text)
+    tokenizer = SlowTokenizer(demo_tokenizer) if slow else demo_tokenizer
+    detok = stream(tokenizer, prompt, output, SamplingParams())
+    assert detok.output_text == demo_tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_multibyte_characters_split_across_tokens_are_never_emitted_half(demo_tokenizer: Any) -> None:
+    output = demo_tokenizer.encode("你好 🙂")
+    detok = IncrementalDetokenizer(demo_tokenizer, [1], SamplingParams())
+    pieces = []
+    for token_id in output:
+        detok.update([token_id], stop_terminated=False)
+        pieces.append(detok.text_delta(finished=False))
+    assert "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) == "你好 🙂"
+    assert len(output) > len("你好 🙂".split())  # the characters really span several tokens
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_truncates_text(demo_tokenizer: Any, include: bool) -> None:
+    output = demo_tokenizer.encode("The answer is 42. STOP here and more text")
+    params = SamplingParams(stop=["STOP", "never"], include_stop_str_in_output=include)
+    detok = IncrementalDetokenizer(demo_tokenizer, [1], params)
+    hit = None
+    for i, token_id in enumerate(output):
+        hit = detok.update([token_id], stop_terminated=False)
+        if hit is not None:
+            break
+    assert hit == "STOP"
+    assert i < len(output) - 1  # stopped early, not at the end
+    assert detok.output_text == ("The answer is 42. STOP" if include else "The answer is 42. ")
+
+
+def test_stream_holds_back_a_possible_stop_string(demo_tokenizer: Any) -> None:
+    output = demo_tokenizer.encode("one two three")
+    detok = IncrementalDetokenizer(demo_tokenizer, [1], SamplingParams(stop=["three four"]))
+    streamed = ""
+    for token_id in output:
+        assert detok.update([token_id], stop_terminated=False) is None
+        streamed += detok.text_delta(finished=False)
+    # "three" might still grow into "three four": it stays held back until the end.
+    assert "three" not in streamed
+    streamed += detok.text_delta(finished=True)
+    assert streamed == "one two three"
+
+
+def test_stop_token_text_is_left_out_unless_asked(demo_tokenizer: Any) -> None:
+    words = demo_tokenizer.encode("alpha beta")
+    for include, expected in [(False, "alpha"), (True, "alpha beta")]:
+        detok = IncrementalDetokenizer(demo_tokenizer, [1], SamplingParams(include_stop_str_in_output=include))
+        detok.update(words, stop_terminated=True)
+        assert detok.output_text == expected

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+
+
+@pytest.mark.parametrize("num_tokens,d", [(1, 8), (13, 64), (40, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(num_tokens, d, dtype):
+    x = torch.randn(num_tokens, 2 * d, dtype=dtype)
+    gate, up = x[:, :d], x[:, d:]
+    out = torch.empty(num_tokens, d, dtype=dtype)
+    silu_and_mul_ref(out, x)
+    assert torch.equal(out, F.silu(gate) * up)
+    torch.testing.assert_close(
+        out.double(),
+        (gate.double() * torch.sigmoid(gate.double())) * up.double(),
+        rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+        atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+    )
+    out2 = torch.empty_like(out)
+    silu_and_mul(out2, x)
+    assert torch.equal(out, out2)
