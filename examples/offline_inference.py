@@ -1,6 +1,6 @@
 """Offline batched generation with the demo model (or any Hugging Face folder).
 
-    python examples/offline_inference.py [MODEL_DIR]
+python examples/offline_inference.py [MODEL_DIR]
 """
 
 import sys

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 configure_logging()
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> object:

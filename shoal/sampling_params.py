@@ -75,9 +75,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(
-                    0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}"
-                )
+                _check(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         if self.seed is not None:

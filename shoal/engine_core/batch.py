@@ -22,6 +22,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The sampler keeps eos (and stop tokens) from being sampled before min_tokens.
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

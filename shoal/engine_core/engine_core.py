@@ -25,6 +25,7 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = executor if executor is not None else Executor.create(config)
         num_kv_blocks = self.executor.initialize_kv_cache()
+        self._check_capacity(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_kv_blocks)
         logger.info(
@@ -34,6 +35,17 @@ class EngineCore:
             config.cache_config.block_size,
             num_kv_blocks * config.cache_config.block_size,
         )
+
+    def _check_capacity(self, num_kv_blocks: int) -> None:
+        """One sequence of max_model_len tokens must fit, or it could never finish."""
+        capacity = num_kv_blocks * self.config.cache_config.block_size
+        max_model_len = self.config.model_config.max_model_len
+        if capacity < max_model_len:
+            self.executor.shutdown()
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, fewer than max_model_len={max_model_len}: "
+                "lower max_model_len or give the KV cache more memory"
+            )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(

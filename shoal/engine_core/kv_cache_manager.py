@@ -64,8 +64,8 @@ class KVCacheManager:
         At least one token is always left to compute: the model must run on the last prompt
         token to produce the next token's logits.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need the logits of every prompt position
+        if not self._uses_prefix_cache(request):
+            return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
@@ -74,10 +74,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -90,19 +87,27 @@ class KVCacheManager:
         hit `new_computed_blocks`; returns the newly allocated blocks, or None if they do not
         fit (then nothing changed)."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        is_admission = not blocks
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_tokens_after // self.block_size)
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
-        # Cached blocks that are free now stop being free once this request takes them.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
-            return None
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        blocks.extend(new_blocks)
+        if num_new_blocks <= 0 and not new_computed_blocks:
+            new_blocks = []  # most decode steps: the token fits in the last block
+        else:
+            # Cached blocks that are free now stop being free once this request takes them.
+            num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+                if is_admission:
+                    del self.req_to_blocks[request.request_id]
+                return None
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+            blocks.extend(new_blocks)
+        if is_admission and self._uses_prefix_cache(request):
+            # Counted once the request gets in, not on every lookup while it waits for blocks.
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_new_computed_tokens
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_tokens_after)
         return new_blocks
@@ -116,9 +121,13 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
-        for request_id in self.num_cached_blocks:
-            # Blocks still held stay unshared; do not register them again.
-            self.num_cached_blocks[request_id] = len(self.req_to_blocks.get(request_id, ()))
+        for request_id, blocks in self.req_to_blocks.items():
+            # Blocks still held (even partial ones) hold stale KV: never register them again.
+            self.num_cached_blocks[request_id] = len(blocks)
+
+    def _uses_prefix_cache(self, request: Request) -> bool:
+        # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register the blocks that are full once `num_tokens` tokens are computed."""

@@ -62,6 +62,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Output tokens the workers have not been told about yet (sent with the next step).
         self.num_output_tokens_sent = 0
+        # Prompt positions whose logprobs the frontend has (a recompute must not send them again).
+        self.num_prompt_logprobs_sent = 0
         self.num_preemptions = 0
 
     @property

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine_core.batch import (
     CachedRequestData,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -90,8 +91,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = self._num_new_tokens(request, budget)
-            if request.request_id in self.in_flight or num_new_tokens == 0:
+            if request.request_id in self.in_flight:
+                index += 1
+                continue
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens == 0:
                 index += 1
                 continue
             blocks = self._allocate_or_preempt(request, num_new_tokens)
@@ -124,9 +128,6 @@ class Scheduler:
             budget -= num_new_tokens
 
         return self._make_output(num_scheduled, new_blocks, scheduled_new)
-
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, budget)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
         """Allocate the request's new slots, preempting the newest running requests until they
@@ -189,18 +190,23 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
+                    eos_token_id=request.eos_token_id,
                 )
             )
         self._step_id += 1
+        # An empty step is not executed, so the workers hear of finished requests with the next
+        # step that runs.
+        finished_req_ids: list[str] = []
+        if num_scheduled:
+            finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         output = SchedulerOutput(
             new_reqs=new_reqs,
             cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids,
+            finished_req_ids=finished_req_ids,
             step_id=self._step_id,
         )
-        self._finished_req_ids = []
         # The scheduled tokens count as computed from now on: their KV is written this step.
         for request_id, num_tokens in num_scheduled.items():
             self.requests[request_id].num_computed_tokens += num_tokens
@@ -213,6 +219,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append the sampled tokens, finish requests that stopped, and report to the frontend."""
         outputs = []
+        num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output)
         num_generation_tokens = 0
         for request_id in scheduler_output.num_scheduled_tokens:
             self.in_flight.discard(request_id)
@@ -228,6 +235,9 @@ class Scheduler:
                     break
             num_generation_tokens += len(new_token_ids)
             prompt_logprobs = model_output.prompt_logprobs.get(request_id)
+            if prompt_logprobs is not None:
+                num_scheduled_tokens = scheduler_output.num_scheduled_tokens[request_id]
+                prompt_logprobs = self._unsent_prompt_logprobs(request, prompt_logprobs, num_scheduled_tokens)
             if not new_token_ids and prompt_logprobs is None:
                 continue
             logprobs = model_output.logprobs.get(request_id)
@@ -245,17 +255,41 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
-        stats = self.make_stats(
-            num_prompt_tokens=scheduler_output.total_num_scheduled_tokens - num_generation_tokens,
-            num_generation_tokens=num_generation_tokens,
-        )
+        stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _num_prompt_tokens_computed(self, scheduler_output: SchedulerOutput) -> int:
+        """How many of the step's tokens were prompt positions (while the step ran, its requests
+        kept `num_computed_tokens` at the end of their scheduled tokens)."""
+        total = 0
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            start = request.num_computed_tokens - num_tokens
+            if start < request.num_prompt_tokens:  # a prefill chunk, not a decode or a recompute
+                total += min(num_tokens, request.num_prompt_tokens - start)
+        return total
+
+    def _unsent_prompt_logprobs(
+        self, request: Request, rows: LogprobsLists, num_scheduled_tokens: int
+    ) -> LogprobsLists | None:
+        """The rows of prompt positions the frontend has not had yet. Row i is prompt position
+        `start + i`; after a preemption the prompt is computed again from position 0, and its
+        rows come again."""
+        start = request.num_computed_tokens - num_scheduled_tokens
+        num_sent, num_rows = request.num_prompt_logprobs_sent, len(rows.ranks)
+        request.num_prompt_logprobs_sent = max(num_sent, start + num_rows)
+        if start + num_rows <= num_sent:
+            return None
+        return rows.slice(num_sent - start, num_rows) if start < num_sent else rows
 
     def _check_stop(self, request: Request) -> bool:
         """Finish the request if its last token ends it; True when it did."""
         params = request.sampling_params
         last = request.all_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
+        num_output_tokens = request.num_output_tokens
+        if num_output_tokens >= params.min_tokens:
             if last == request.eos_token_id and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -263,7 +297,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

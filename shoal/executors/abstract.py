@@ -69,7 +69,9 @@ class Executor(ABC):
         return num_blocks
 
     def check_health(self) -> None:
-        """Raise `EngineDeadError` if any worker is gone."""
+        """Raise `EngineDeadError` if any worker is gone (an in-process worker cannot be)."""
+        return None
 
     def shutdown(self) -> None:
         """Stop the workers and free their resources."""
+        return None

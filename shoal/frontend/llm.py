@@ -1,8 +1,8 @@
 """`LLM`: offline batched generation with the names vLLM users know.
 
-    from shoal import LLM, SamplingParams
-    llm = LLM()  # the demo model; or LLM("path/to/hf-folder", dtype="bfloat16", ...)
-    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
+from shoal import LLM, SamplingParams
+llm = LLM()  # the demo model; or LLM("path/to/hf-folder", dtype="bfloat16", ...)
+outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations

@@ -41,9 +41,7 @@ class SamplingMetadata:
     min_tokens_mask: list[tuple[int, list[int]]]
 
 
-def build_sampling_metadata(
-    states: list[RequestState], vocab_size: int, device: torch.device
-) -> SamplingMetadata:
+def build_sampling_metadata(states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
     params = [s.sampling_params for s in states]
     greedy = [p.greedy for p in params]
 

@@ -10,10 +10,3 @@ def demo_tokenizer(demo_model_path: str) -> Any:
     from shoal.frontend.tokenizer import get_tokenizer
 
     return get_tokenizer(demo_model_path)
-
-
-@pytest.fixture(scope="session")
-def demo_model_path() -> str:
-    from shoal.demo_model import ensure_demo_model
-
-    return ensure_demo_model()

@@ -1,0 +1,45 @@
+"""Greedy generation with Hugging Face transformers, the reference shoal is compared against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class HFGreedy:
+    token_ids: list[int]
+    # Per generated position: the top-k (token id → logprob) of the raw logits.
+    top_logprobs: list[dict[int, float]]
+
+
+@cache
+def hf_model(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool, top_k: int = 5) -> HFGreedy:
+    """One prompt at a time (no padding), float32, eager attention."""
+    model = hf_model(path)
+    eos = model.generation_config.eos_token_id if stop_at_eos else None
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    generated = out.sequences[0, len(prompt_ids) :].tolist()
+    top = []
+    for logits in out.logits:
+        values, ids = logits[0].float().log_softmax(-1).topk(top_k)
+        top.append(dict(zip(ids.tolist(), values.tolist())))
+    return HFGreedy(generated, top)

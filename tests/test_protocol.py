@@ -1,0 +1,188 @@
+"""Every struct that crosses a process boundary survives msgpack with its exact value."""
+
+from __future__ import annotations
+
+import inspect
+
+import msgspec
+import pytest
+
+import shoal.engine_core.batch as batch
+import shoal.protocol as protocol
+from shoal.engine_core.batch import (
+    CachedRequestData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shoal.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    seed=1234,
+    max_tokens=32,
+    min_tokens=2,
+    stop=["\n\n", "END"],
+    stop_token_ids=[7, 8],
+    logprobs=3,
+)
+LOGPROBS = LogprobsLists(
+    token_ids=[[5, 1, 2], [9, 9, 4]],
+    logprobs=[[-0.25, -1.5, -2.75], [-0.125, -0.125, -3.0]],
+    ranks=[1, 2],
+)
+NEW_REQUEST = NewRequestData(
+    req_id="req-1",
+    prompt_token_ids=[1, 2, 3, 4, 5],
+    output_token_ids=[6, 7],
+    sampling_params=PARAMS,
+    block_ids=[3, 0, 8],
+    num_computed_tokens=4,
+    eos_token_id=2,
+)
+CACHED_REQUEST = CachedRequestData(req_id="req-2", new_token_ids=[42], new_block_ids=[11], num_computed_tokens=17)
+SCHEDULER_STATS = SchedulerStats(
+    num_running_reqs=3,
+    num_waiting_reqs=1,
+    kv_cache_usage=0.375,
+    num_used_blocks=12,
+    prefix_cache_queries=100,
+    prefix_cache_hits=48,
+    num_preemptions=2,
+    num_prompt_tokens=30,
+    num_generation_tokens=3,
+)
+ENGINE_CORE_OUTPUT = EngineCoreOutput(
+    request_id="req-1",
+    new_token_ids=[5, 9],
+    new_logprobs=LOGPROBS,
+    new_prompt_logprobs=LOGPROBS.slice(0, 1),
+    finish_reason="stop",
+    stop_reason=8,
+    num_cached_tokens=16,
+)
+
+# One example per struct type, every field away from its default.
+EXAMPLES: list[msgspec.Struct] = [
+    PARAMS,
+    EngineCoreRequest(
+        request_id="req-1",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=PARAMS,
+        eos_token_id=2,
+        arrival_time=1712345678.25,
+        max_tokens=32,
+    ),
+    EngineCoreRequest(
+        request_id="req-none",
+        prompt_token_ids=[1],
+        sampling_params=SamplingParams(),
+        eos_token_id=None,
+        arrival_time=0.5,
+        max_tokens=1,
+    ),
+    ENGINE_CORE_OUTPUT,
+    EngineCoreOutput(request_id="req-3", new_token_ids=[1], finish_reason="stop", stop_reason="</s>"),
+    EngineCoreOutput(request_id="req-4", new_token_ids=[]),
+    SCHEDULER_STATS,
+    EngineCoreOutputs(
+        outputs=[ENGINE_CORE_OUTPUT, EngineCoreOutput(request_id="req-5", new_token_ids=[3])],
+        scheduler_stats=SCHEDULER_STATS,
+        timestamp=1712345678.5,
+    ),
+    EngineCoreOutputs(),
+    NEW_REQUEST,
+    CACHED_REQUEST,
+    SchedulerOutput(
+        new_reqs=[NEW_REQUEST],
+        cached_reqs=[CACHED_REQUEST],
+        num_scheduled_tokens={"req-2": 1, "req-1": 3},
+        total_num_scheduled_tokens=4,
+        finished_req_ids=["req-0"],
+        step_id=9,
+    ),
+    LOGPROBS,
+    ModelRunnerOutput(
+        req_ids=["req-2", "req-1"],
+        sampled_token_ids=[[42], []],
+        logprobs={"req-2": LOGPROBS.slice(0, 1)},
+        prompt_logprobs={"req-1": LOGPROBS},
+        step_id=9,
+    ),
+]
+
+
+def _roundtrip(value: msgspec.Struct) -> msgspec.Struct:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(value), type=type(value))
+
+
+@pytest.mark.parametrize("value", EXAMPLES, ids=lambda v: type(v).__name__)
+def test_msgpack_roundtrip_is_exact(value: msgspec.Struct) -> None:
+    decoded = _roundtrip(value)
+    assert type(decoded) is type(value)
+    assert decoded == value
+    assert msgspec.structs.asdict(decoded) == msgspec.structs.asdict(value)
+
+
+def test_every_wire_struct_has_a_roundtrip_example() -> None:
+    structs = {
+        obj
+        for module in (protocol, batch)
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__
+    }
+    assert structs <= {type(value) for value in EXAMPLES}
+
+
+def test_roundtrip_keeps_the_union_member_of_stop_reason() -> None:
+    as_int = _roundtrip(EngineCoreOutput(request_id="a", new_token_ids=[], stop_reason=7))
+    as_str = _roundtrip(EngineCoreOutput(request_id="a", new_token_ids=[], stop_reason="7"))
+    assert as_int.stop_reason == 7 and isinstance(as_int.stop_reason, int)
+    assert as_str.stop_reason == "7" and isinstance(as_str.stop_reason, str)
+
+
+def test_roundtrip_differs_when_a_field_differs() -> None:
+    changed = msgspec.structs.replace(CACHED_REQUEST, new_token_ids=[43])
+    assert _roundtrip(changed) != CACHED_REQUEST
+
+
+def test_defaults_are_omitted_and_restored() -> None:
+    small = EngineCoreOutput(request_id="a", new_token_ids=[1])
+    full = EngineCoreOutput(request_id="a", new_token_ids=[1], finish_reason="length", num_cached_tokens=4)
+    assert len(msgspec.msgpack.encode(small)) < len(msgspec.msgpack.encode(full))
+    decoded = _roundtrip(small)
+    assert (decoded.new_logprobs, decoded.finish_reason, decoded.stop_reason, decoded.num_cached_tokens) == (
+        None,
+        None,
+        None,
+        0,
+    )
+    assert not decoded.finished and _roundtrip(full).finished
+
+
+def test_decoding_the_wrong_shape_fails_loudly() -> None:
+    data = msgspec.msgpack.encode(CACHED_REQUEST)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(data, type=NewRequestData)
+    bad = msgspec.msgpack.encode(["req", ["not-an-int"], [], 0])
+    with pytest.raises(msgspec.ValidationError, match="int"):
+        msgspec.msgpack.decode(bad, type=CachedRequestData)
+
+
+def test_invalid_sampling_params_are_rejected_on_decode() -> None:
+    request = msgspec.structs.replace(EXAMPLES[1], sampling_params=PARAMS)
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(request))
+    raw[2]["top_p"] = 0.0  # EngineCoreRequest is array-like; field 2 is sampling_params
+    with pytest.raises(msgspec.ValidationError, match="top_p"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=EngineCoreRequest)
+
+
+def test_logprobs_slice_and_scheduled_req_ids() -> None:
+    assert LOGPROBS.slice(1, 2) == LogprobsLists(token_ids=[[9, 9, 4]], logprobs=[[-0.125, -0.125, -3.0]], ranks=[2])
+    assert LOGPROBS.slice(0, 0) == LogprobsLists(token_ids=[], logprobs=[], ranks=[])
+    assert EXAMPLES[11].scheduled_req_ids == ["req-2", "req-1"]
+    assert _roundtrip(EXAMPLES[11]).scheduled_req_ids == ["req-2", "req-1"]
