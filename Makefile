@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint kernels bench-scheduler clean
+.PHONY: install demo serve test lint kernels bench-scheduler clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/python examples/offline_inference.py
+
+# The OpenAI-compatible server with the demo model on http://127.0.0.1:8000/v1 (SERVE_ARGS adds flags).
+serve: install
+	$(BIN)/shoal serve $(SERVE_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q -ra tests

@@ -1,11 +1,18 @@
 """Every message that crosses the frontend ↔ engine-core boundary, as msgspec structs.
 
-The frontend sends `EngineCoreRequest` (already tokenized and validated) and aborts; the core
-answers with `EngineCoreOutputs`: per request the new token ids, logprobs and finish reason,
-and per step the scheduler's statistics.
+The frontend sends `EngineCoreRequest` (already tokenized and validated), aborts and utility
+calls; the core answers with `EngineCoreOutputs` (per request the new token ids, logprobs and
+finish reason; per step the scheduler's statistics), utility results, a ready message once it
+has started and an engine-dead message when it fails.
+
+On the ZeroMQ sockets a message is two frames: a one-byte `MessageType`, then the msgpack
+encoding of the struct that type names (`encode` / `decode`). No pickle.
 """
 
 from __future__ import annotations
+
+import enum
+from typing import Any
 
 import msgspec
 
@@ -31,6 +38,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # When the request was first scheduled (set on its finishing output, for queue-time stats).
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,3 +62,69 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+
+class Abort(msgspec.Struct, array_like=True):
+    request_ids: list[str]
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    """Call `EngineCore.<method>(*args)` in the engine loop (collective_rpc, get_stats, ...).
+    Arguments and results must be msgpack data: numbers, strings, lists, dicts."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None  # the exception's type and message when the call failed
+
+
+class EngineReady(msgspec.Struct, array_like=True):
+    num_kv_blocks: int
+
+
+class EngineDead(msgspec.Struct, array_like=True):
+    """The engine core failed (or its process died); every pending request gets this."""
+
+    message: str
+
+
+class MessageType(bytes, enum.Enum):
+    # frontend → engine core
+    ADD = b"\x01"
+    ABORT = b"\x02"
+    UTILITY = b"\x03"
+    # engine core → frontend
+    OUTPUTS = b"\x10"
+    UTILITY_OUTPUT = b"\x11"
+    READY = b"\x12"
+    ENGINE_DEAD = b"\x13"
+
+
+_TYPES: dict[MessageType, type[msgspec.Struct]] = {
+    MessageType.ADD: EngineCoreRequest,
+    MessageType.ABORT: Abort,
+    MessageType.UTILITY: UtilityRequest,
+    MessageType.OUTPUTS: EngineCoreOutputs,
+    MessageType.UTILITY_OUTPUT: UtilityOutput,
+    MessageType.READY: EngineReady,
+    MessageType.ENGINE_DEAD: EngineDead,
+}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(struct) for kind, struct in _TYPES.items()}
+
+
+def encode(kind: MessageType, message: msgspec.Struct) -> list[bytes]:
+    """The two frames of one message."""
+    if not isinstance(message, _TYPES[kind]):
+        raise TypeError(f"{kind.name} carries {_TYPES[kind].__name__}, not {type(message).__name__}")
+    return [kind.value, _ENCODER.encode(message)]
+
+
+def decode(frames: list[bytes] | list[memoryview]) -> tuple[MessageType, Any]:
+    kind = MessageType(bytes(frames[0]))
+    return kind, _DECODERS[kind].decode(frames[1])

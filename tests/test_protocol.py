@@ -16,7 +16,20 @@ from shoal.engine_core.batch import (
     NewRequestData,
     SchedulerOutput,
 )
-from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shoal.protocol import (
+    Abort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    MessageType,
+    SchedulerStats,
+    UtilityOutput,
+    UtilityRequest,
+    decode,
+    encode,
+)
 from shoal.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(
@@ -64,6 +77,7 @@ ENGINE_CORE_OUTPUT = EngineCoreOutput(
     finish_reason="stop",
     stop_reason=8,
     num_cached_tokens=16,
+    first_scheduled_time=1712345678.75,
 )
 
 # One example per struct type, every field away from its default.
@@ -113,6 +127,12 @@ EXAMPLES: list[msgspec.Struct] = [
         prompt_logprobs={"req-1": LOGPROBS},
         step_id=9,
     ),
+    Abort(request_ids=["req-1", "req-2"]),
+    UtilityRequest(call_id=3, method="collective_rpc", args=["report_device", [], None, 5.0]),
+    UtilityOutput(call_id=3, result=[{"rank": 0}, "cpu"], error=None),
+    UtilityOutput(call_id=4, error="ValueError: no such method"),
+    EngineReady(num_kv_blocks=1456),
+    EngineDead(message="worker 1 died"),
 ]
 
 
@@ -186,3 +206,28 @@ def test_logprobs_slice_and_scheduled_req_ids() -> None:
     assert LOGPROBS.slice(0, 0) == LogprobsLists(token_ids=[], logprobs=[], ranks=[])
     assert EXAMPLES[11].scheduled_req_ids == ["req-2", "req-1"]
     assert _roundtrip(EXAMPLES[11]).scheduled_req_ids == ["req-2", "req-1"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [
+        (MessageType.ADD, EXAMPLES[1]),
+        (MessageType.ABORT, Abort(request_ids=["a"])),
+        (MessageType.UTILITY, UtilityRequest(call_id=1, method="get_stats", args=[])),
+        (MessageType.OUTPUTS, EXAMPLES[7]),
+        (MessageType.UTILITY_OUTPUT, UtilityOutput(call_id=1, result={"x": 1})),
+        (MessageType.READY, EngineReady(num_kv_blocks=7)),
+        (MessageType.ENGINE_DEAD, EngineDead(message="gone")),
+    ],
+)
+def test_framed_messages_roundtrip(kind: MessageType, value: msgspec.Struct) -> None:
+    frames = encode(kind, value)
+    assert frames[0] == kind.value and len(frames[0]) == 1
+    assert decode(frames) == (kind, value)
+
+
+def test_framing_refuses_a_struct_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="ABORT"):
+        encode(MessageType.ABORT, EngineDead(message="x"))
+    with pytest.raises(ValueError):
+        decode([b"\x7f", b""])

@@ -57,6 +57,7 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when first scheduled (-1: not yet scheduled).
         self.num_cached_tokens = -1
+        self.first_scheduled_time: float | None = None
         # Hashes of the request's full blocks, extended as tokens arrive (see KVCacheManager).
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | str | None = None

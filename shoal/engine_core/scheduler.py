@@ -122,6 +122,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
             num_scheduled[request.request_id] = num_new_tokens
             self.in_flight.add(request.request_id)
             scheduled_new.append(request)
@@ -250,6 +251,7 @@ class Scheduler:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    first_scheduled_time=request.first_scheduled_time if request.is_finished else None,
                 )
             )
             if request.is_finished:

@@ -1,16 +1,55 @@
 """`EngineCoreClient`: how the frontend reaches the engine core.
 
-`InprocClient` holds the core in this process and steps it on demand (tests, the simplest
-offline use). The multiprocess clients talk to a core in its own process over ZeroMQ.
+- `InprocClient`: the core in this process, stepped on demand (tests, simplest offline use).
+- `SyncMPClient`: the core in its own process over ZeroMQ; what `LLM` uses by default.
+- `AsyncMPClient`: the same for asyncio; what `AsyncLLM` and the server use. A reader thread
+  receives and decodes outputs off the event loop and hands them over with
+  `call_soon_threadsafe`.
+
+If the engine-core process dies, a monitor thread notices (the process sentinel) and delivers
+an ENGINE_DEAD message through the output socket, so every waiting caller gets
+`EngineDeadError` instead of hanging.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import socket
+import tempfile
+import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any
 
+import zmq
+
 from shoal.config import EngineConfig
-from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
+from shoal.errors import EngineDeadError
+from shoal.protocol import (
+    Abort,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    MessageType,
+    UtilityOutput,
+    UtilityRequest,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAIN_GUARD_HINT = (
+    "shoal starts its engine core in a new process (spawn), which imports your script again. "
+    "Create the LLM under `if __name__ == '__main__':` so that the import does not start "
+    "another engine."
+)
 
 
 class EngineCoreClient(ABC):
@@ -49,6 +88,305 @@ class InprocClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return getattr(self.core, method)(*args)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+# ---- the engine-core process and its sockets --------------------------------------------------
+
+
+def make_addresses(transport: str = "ipc", host: str = "127.0.0.1") -> tuple[str, str, str | None]:
+    """Input and output socket addresses, and the private directory of ipc sockets.
+
+    ipc:// sockets live in a fresh directory only this user can enter (mode 0700); tcp://
+    addresses bind to `host` (loopback unless told otherwise) on free ports.
+    """
+    if transport == "ipc":
+        directory = tempfile.mkdtemp(prefix="shoal-")
+        os.chmod(directory, 0o700)
+        return f"ipc://{directory}/input", f"ipc://{directory}/output", directory
+    if transport != "tcp":
+        raise ValueError(f"engine-core transport must be 'ipc' or 'tcp', got {transport!r}")
+    return f"tcp://{host}:{_free_port(host)}", f"tcp://{host}:{_free_port(host)}", None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MPClient:
+    """Starts the engine-core process and owns the two sockets to it."""
+
+    def __init__(self, config: EngineConfig, transport: str = "ipc") -> None:
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            raise RuntimeError(_MAIN_GUARD_HINT)
+        self._shutting_down = False
+        self._reader_started = False
+        self.context = zmq.Context()
+        input_address, self.output_address, self._ipc_dir = make_addresses(transport)
+        self.input_socket = self.context.socket(zmq.PUSH)
+        self.input_socket.bind(input_address)
+        self.output_socket = self.context.socket(zmq.PULL)
+        self.output_socket.bind(self.output_address)
+        from shoal.engine_core.process import run_engine_core
+
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(
+            target=run_engine_core,
+            args=(config, input_address, self.output_address),
+            name="shoal-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        self.num_kv_blocks = self._wait_until_ready()
+        self._monitor = threading.Thread(target=self._watch_process, name="shoal-core-monitor", daemon=True)
+        self._monitor.start()
+
+    @property
+    def engine_core_pid(self) -> int | None:
+        return self.process.pid
+
+    def _wait_until_ready(self) -> int:
+        """Wait for READY; a process that dies or reports failure first becomes an error."""
+        while True:
+            if self.output_socket.poll(timeout=200):
+                kind, message = decode(self.output_socket.recv_multipart())
+                if kind == MessageType.READY:
+                    return message.num_kv_blocks
+                if kind == MessageType.ENGINE_DEAD:
+                    self._cleanup()
+                    raise RuntimeError(f"the engine core failed to start: {message.message}")
+            elif not self.process.is_alive():
+                code = self.process.exitcode
+                self._cleanup()
+                raise RuntimeError(
+                    f"the engine-core process exited during start-up (exit code {code}). " + _MAIN_GUARD_HINT
+                )
+
+    def _watch_process(self) -> None:
+        """Turn the process's death into an ENGINE_DEAD message for whoever is waiting."""
+        multiprocessing.connection.wait([self.process.sentinel])
+        if self._shutting_down:
+            return
+        message = f"the engine-core process died (exit code {self.process.exitcode})"
+        logger.error(message)
+        notifier = self.context.socket(zmq.PUSH)
+        notifier.connect(self.output_address)
+        notifier.send_multipart(encode(MessageType.ENGINE_DEAD, EngineDead(message)))
+        notifier.close(linger=1000)
+
+    def _send(self, kind: MessageType, message: Any) -> None:
+        self.input_socket.send_multipart(encode(kind, message), copy=False)
+
+    def shutdown(self) -> None:
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout=5)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._shutting_down = True
+        self.input_socket.close(linger=0)
+        if not self._reader_started:
+            self.output_socket.close(linger=0)
+        # With a reader thread, term() wakes its recv and the thread closes the socket itself
+        # (a ZeroMQ socket must only be touched by one thread at a time).
+        self.context.term()
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+class SyncMPClient(MPClient, EngineCoreClient):
+    def __init__(self, config: EngineConfig, transport: str = "ipc") -> None:
+        super().__init__(config, transport)
+        self._pending: deque[EngineCoreOutputs] = deque()
+        self._call_ids = itertools.count()
+        self._dead: str | None = None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_alive()
+        self._send(MessageType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead is None and not self._shutting_down:
+            self._send(MessageType.ABORT, Abort(request_ids))
+
+    def get_output(self) -> EngineCoreOutputs:
+        if self._pending:
+            return self._pending.popleft()
+        while True:
+            kind, message = self._receive()
+            if kind == MessageType.OUTPUTS:
+                return message
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        call_id = next(self._call_ids)
+        self._send(MessageType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        while True:
+            kind, message = self._receive()
+            if kind == MessageType.OUTPUTS:
+                self._pending.append(message)
+            elif kind == MessageType.UTILITY_OUTPUT and message.call_id == call_id:
+                return _utility_result(message)
+
+    def _receive(self) -> tuple[MessageType, Any]:
+        kind, message = decode(self.output_socket.recv_multipart())
+        if kind == MessageType.ENGINE_DEAD:
+            self._dead = message.message
+            raise EngineDeadError(message.message)
+        return kind, message
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+
+class AsyncMPClient(MPClient):
+    """The asyncio client. Outputs arrive through `get_output_async`; utility calls are
+    matched to their replies by call id."""
+
+    def __init__(self, config: EngineConfig, transport: str = "ipc") -> None:
+        super().__init__(config, transport)
+        self._call_ids = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}
+        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_error: EngineDeadError | None = None
+
+    def _ensure_reader(self) -> asyncio.Queue:
+        """Start the reader thread on first use, bound to the running event loop."""
+        if self._outputs is None:
+            self._loop = asyncio.get_running_loop()
+            self._outputs = asyncio.Queue()
+            self._reader_started = True
+            threading.Thread(target=self._read, name="shoal-output-reader", daemon=True).start()
+        return self._outputs
+
+    def _read(self) -> None:
+        assert self._loop is not None
+        try:
+            while True:
+                frames = self.output_socket.recv_multipart(copy=False)
+                kind, message = decode([f.buffer for f in frames])
+                self._loop.call_soon_threadsafe(self._dispatch, kind, message)
+                if kind == MessageType.ENGINE_DEAD:
+                    return
+        except (zmq.ContextTerminated, zmq.ZMQError, RuntimeError):
+            return  # shut down (the loop or the context is closed)
+        finally:
+            self.output_socket.close(linger=0)
+
+    def _dispatch(self, kind: MessageType, message: Any) -> None:
+        assert self._outputs is not None
+        if kind == MessageType.OUTPUTS:
+            self._outputs.put_nowait(message)
+        elif kind == MessageType.UTILITY_OUTPUT:
+            future = self._calls.pop(message.call_id, None)
+            if future is not None and not future.done():
+                try:
+                    future.set_result(_utility_result(message))
+                except Exception as exc:
+                    future.set_exception(exc)
+        elif kind == MessageType.ENGINE_DEAD:
+            self.dead_error = EngineDeadError(message.message)
+            self._outputs.put_nowait(self.dead_error)
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(self.dead_error)
+            self._calls.clear()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._ensure_reader()
+        self._check_alive()
+        self._send(MessageType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_error is None and not self._shutting_down:
+            self._send(MessageType.ABORT, Abort(request_ids))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        item = await self._ensure_reader().get()
+        if isinstance(item, EngineDeadError):
+            self._ensure_reader().put_nowait(item)  # every later reader sees it too
+            raise item
+        return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_reader()
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(MessageType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        return await future
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+
+def _utility_result(reply: UtilityOutput) -> Any:
+    if reply.error is None:
+        return reply.result
+    if reply.error.startswith("ValueError"):
+        raise ValueError(reply.error.removeprefix("ValueError: "))
+    raise RuntimeError(f"engine-core call failed: {reply.error}")
+
+
+class AsyncInprocClient:
+    """The core in this process for `AsyncLLM(multiprocess=False)`: each step runs in a worker
+    thread so the event loop stays responsive; a lock keeps the core single-threaded."""
+
+    engine_core_pid = None
+    dead_error: EngineDeadError | None = None
+
+    def __init__(self, config: EngineConfig) -> None:
+        from shoal.engine_core.engine_core import EngineCore
+
+        self.core = EngineCore(config)
+        self.num_kv_blocks = self.core.num_kv_blocks
+        self._lock = threading.Lock()
+        self._work: asyncio.Event | None = None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        with self._lock:
+            self.core.add_request(request)
+        self._wake().set()
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self.core.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        while True:
+            with self._lock:
+                has_work = self.core.has_unfinished_requests()
+            if has_work:
+                return await asyncio.to_thread(self._locked, self.core.step)
+            await self._wake().wait()
+            self._wake().clear()
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.to_thread(self._locked, getattr(self.core, method), *args)
+
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            return fn(*args)
+
+    def _wake(self) -> asyncio.Event:
+        if self._work is None:
+            self._work = asyncio.Event()
+        return self._work
 
     def shutdown(self) -> None:
         self.core.shutdown()

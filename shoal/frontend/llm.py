@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from shoal.config import EngineArgs
 from shoal.frontend.chat import Conversation, render_chat
-from shoal.frontend.core_client import EngineCoreClient, InprocClient
+from shoal.frontend.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from shoal.frontend.input_processor import InputProcessor, PromptType
 from shoal.frontend.output_processor import OutputKind, OutputProcessor
 from shoal.frontend.tokenizer import get_tokenizer
@@ -30,9 +30,12 @@ logger = logging.getLogger(__name__)
 class LLM:
     """An engine for offline generation. Keyword arguments are `EngineArgs` fields
     (dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
-    enable_prefix_caching, load_format, seed, device, tensor_parallel_size, ...)."""
+    enable_prefix_caching, load_format, seed, device, tensor_parallel_size, ...).
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    The engine core runs in a separate process (spawned: create the LLM under
+    `if __name__ == "__main__":` in scripts); `multiprocess=False` keeps it in this process."""
+
+    def __init__(self, model: str | None = None, *, multiprocess: bool = True, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise ValueError(f"unknown LLM arguments {unknown}; see shoal.config.EngineArgs")
@@ -40,7 +43,8 @@ class LLM:
         self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
         self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core: EngineCoreClient = InprocClient(self.config)
+        # By default the engine core runs in its own process; multiprocess=False keeps it here.
+        self.engine_core: EngineCoreClient = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
         self._request_counter = itertools.count()
 
     # ---- generation ----------------------------------------------------------------------------

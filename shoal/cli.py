@@ -1,0 +1,207 @@
+"""The `shoal` command: `shoal serve [MODEL] [--host ...] [--port ...] [engine arguments]`.
+
+Every engine argument is a flag generated from the `EngineArgs` dataclass (`max_model_len` →
+`--max-model-len`, booleans as `--x/--no-x`), so a new engine argument is a new flag with no
+change here. A subcommand is a function that adds its parser; `SUBCOMMANDS` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+import signal
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shoal.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# Short aliases, as vLLM spells them.
+_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"]}
+_CHOICES: dict[str, Sequence[str]] = {
+    "load_format": LOAD_FORMATS,
+    "distributed_executor_backend": EXECUTOR_BACKENDS,
+    "device": ("auto", "cpu", "cuda"),
+}
+_HELP = {
+    "model": "a local Hugging Face folder (config.json, safetensors, tokenizer); none: the demo model",
+    "tokenizer": "the tokenizer's folder, if not the model's",
+    "served_model_name": "the model name the API answers to; none: the model path, or the demo model's name",
+    "dtype": f"weights and activations: auto or one of {', '.join(DTYPES)}",
+    "max_model_len": "the longest sequence (prompt + output) in tokens; none: the model's",
+    "max_num_seqs": "the most requests running at once",
+    "max_num_batched_tokens": "the token budget of one step (long prompts are prefilled in chunks)",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "gpu_memory_utilization": "the fraction of GPU memory shoal may use",
+    "kv_cache_memory_bytes": "the KV cache's size (CPU; on GPU it overrides profiling); accepts 4GiB, 512MiB, ...",
+    "num_gpu_blocks_override": "force the number of KV-cache blocks",
+    "load_format": "auto: the checkpoint's weights; dummy: random weights of the real shapes",
+    "seed": "the engine's random seed",
+    "device": "where the model runs",
+    "enforce_eager": "never capture CUDA graphs",
+    "tensor_parallel_size": "GPUs (or CPU workers) each layer is split over",
+    "pipeline_parallel_size": "pipeline stages, each a contiguous slice of layers",
+    "distributed_executor_backend": "uni: one worker in the engine-core process; ray: Ray actors",
+    "pipeline_layer_partition": "layers per pipeline stage, e.g. 12 12 8",
+    "quantization": "weight quantization: none or fp8",
+    "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
+    "ray_address": "the Ray cluster to join; none: start or find a local one",
+}
+_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help()
+        return 2
+    return args.handler(args, parser)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="shoal: an LLM inference and serving engine")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for add_subcommand in SUBCOMMANDS:
+        add_subcommand(subparsers)
+    return parser
+
+
+# ---- shoal serve -------------------------------------------------------------------------------
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, ...).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model folder; none: the demo model")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free port)")
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API routes")
+    server.add_argument(
+        "--max-request-body-bytes", type=parse_size, default=10 * 1024 * 1024, help="larger bodies get a 413"
+    )
+    server.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines (0: off)")
+    server.add_argument(
+        "--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    server.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.entrypoints.openai.api_server import ServerArgs, run_server
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    engine_args = engine_args_from(args)
+    if args.model_tag is not None:
+        engine_args = dataclasses.replace(engine_args, model=args.model_tag)
+    try:
+        engine_args.create_engine_config()  # bad arguments fail here, before anything starts
+    except ValueError as exc:
+        parser.exit(2, f"shoal serve: error: {exc}\n")
+    server_args = ServerArgs(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        stats_interval_s=args.stats_interval,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_access_log,
+    )
+    # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
+    # rather than the default action; uvicorn handles it first for a graceful shutdown.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        run_server(engine_args, server_args)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+# ---- flags generated from EngineArgs -----------------------------------------------------------
+
+
+def add_engine_args(parser: Any) -> None:
+    """One flag per `EngineArgs` field, typed from its annotation."""
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        names = ["--" + field.name.replace("_", "-"), *_ALIASES.get(field.name, [])]
+        kind, element = _flag_type(hints[field.name])
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = _HELP.get(field.name, f"EngineArgs.{field.name}")
+        if kind is bool:
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif kind in (tuple, list):
+            parser.add_argument(*names, nargs="+", type=_converter(element), default=default, help=help_text)
+        else:
+            choices = _CHOICES.get(field.name)
+            parser.add_argument(*names, type=_converter(kind), default=default, choices=choices, help=help_text)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(EngineArgs):
+        value = getattr(args, field.name)
+        values[field.name] = tuple(value) if isinstance(value, list) else value
+    return EngineArgs(**values)
+
+
+def _flag_type(annotation: Any) -> tuple[type, type | None]:
+    """(the flag's type, the element type of a sequence) from a field annotation; Optional is
+    dropped (a flag that is not given keeps the default)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            raise TypeError(f"EngineArgs field type {annotation} has no flag form")
+        annotation = members[0]
+    origin = typing.get_origin(annotation)
+    if origin in (tuple, list):
+        return origin, typing.get_args(annotation)[0]
+    if annotation in (bool, int, float, str):
+        return annotation, None
+    raise TypeError(f"EngineArgs field type {annotation} has no flag form")
+
+
+def _converter(kind: type | None) -> Callable[[str], Any]:
+    return parse_size if kind is int else (kind or str)
+
+
+def parse_size(text: str) -> int:
+    """An integer, optionally with a decimal (k, M, G, T) or binary (KiB, MiB, GiB, TiB) suffix."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not an integer or size: {text!r}")
+    number, unit, binary = match.groups()
+    power = " KMGT".index(unit.upper()) if unit else 0
+    value = float(number) * (1024 if binary else 1000) ** power
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(value)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The engine-core process: `EngineCore` plus two socket threads, so the busy loop never
+waits on a socket.
+
+    frontend ──PUSH──► input thread ──queue──► busy loop ──queue──► output thread ──PUSH──► frontend
+                        (recv, decode)          schedule → execute → update   (encode, send)
+
+The frontend binds both sockets; this process connects. Once the engine is built it sends
+READY; if anything fails (start-up or a step) it sends ENGINE_DEAD with the reason and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from shoal.config import EngineConfig
+from shoal.engine_core.engine_core import EngineCore
+from shoal.errors import EngineDeadError
+from shoal.protocol import (
+    Abort,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+    MessageType,
+    UtilityOutput,
+    UtilityRequest,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+# Methods of EngineCore the frontend may call (collective_rpc reaches the workers).
+UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "get_stats", "check_health"})
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """The process's entry point (spawned by the multiprocess clients)."""
+    from shoal.logger import configure_logging
+
+    configure_logging()
+    # SIGTERM from the frontend ends the loop through SystemExit, so the executor shuts down.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
+    context = zmq.Context()
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.LINGER, 2000)
+    output_socket.connect(output_address)
+    proc: EngineCoreProc | None = None
+    try:
+        core = EngineCore(config)
+        proc = EngineCoreProc(core, context, input_address, output_socket)
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException as exc:
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        message = f"{type(exc).__name__}: {exc}"
+        if proc is not None:
+            proc.send_dead(message)
+        else:
+            output_socket.send_multipart(encode(MessageType.ENGINE_DEAD, EngineDead(message)))
+        raise SystemExit(1) from exc
+    finally:
+        if proc is not None:
+            proc.shutdown()
+        output_socket.close()
+        context.term()
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, context: zmq.Context, input_address: str, output_socket: zmq.Socket):
+        self.core = core
+        self.input_queue: queue.Queue[tuple[MessageType, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[list[bytes] | None] = queue.Queue()
+        self._output_socket = output_socket
+        self._input_thread = threading.Thread(
+            target=self._receive, args=(context, input_address), name="shoal-core-input", daemon=True
+        )
+        self._output_thread = threading.Thread(target=self._send, name="shoal-core-output", daemon=True)
+        self._input_thread.start()
+        self._output_thread.start()
+        self.output_queue.put(encode(MessageType.READY, EngineReady(num_kv_blocks=core.num_kv_blocks)))
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """Take every waiting message (block only when idle), then run one step."""
+        while True:
+            self._process_input(block=not self.core.has_unfinished_requests())
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self.output_queue.put(encode(MessageType.OUTPUTS, outputs))
+
+    def _process_input(self, block: bool) -> None:
+        if block:
+            self._handle(*self.input_queue.get())
+        while not self.input_queue.empty():
+            self._handle(*self.input_queue.get_nowait())
+
+    def _handle(self, kind: MessageType, message: Any) -> None:
+        if kind == MessageType.ADD:
+            self._add_request(message)
+        elif kind == MessageType.ABORT:
+            self.core.abort_requests(message.request_ids)
+        elif kind == MessageType.UTILITY:
+            self._call_utility(message)
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:  # a duplicate id: refuse this request, keep serving
+            logger.warning("refused request %s: %s", request.request_id, exc)
+
+    def _call_utility(self, call: UtilityRequest) -> None:
+        try:
+            if call.method not in UTILITY_METHODS:
+                raise ValueError(f"the engine core has no utility method {call.method!r}")
+            result = getattr(self.core, call.method)(*call.args)
+            reply = UtilityOutput(call_id=call.call_id, result=result)
+            frames = encode(MessageType.UTILITY_OUTPUT, reply)
+        except EngineDeadError:
+            raise  # a failed health check ends the engine: the loop reports ENGINE_DEAD
+        except Exception as exc:  # the caller gets the error; the engine keeps serving
+            reply = UtilityOutput(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
+            frames = encode(MessageType.UTILITY_OUTPUT, reply)
+        self.output_queue.put(frames)
+
+    # ---- socket threads ---------------------------------------------------------------------
+
+    def _receive(self, context: zmq.Context, input_address: str) -> None:
+        socket = context.socket(zmq.PULL)
+        socket.connect(input_address)
+        try:
+            while True:
+                frames = socket.recv_multipart(copy=False)
+                try:
+                    self.input_queue.put(decode([f.buffer for f in frames]))
+                except (msgspec.DecodeError, ValueError) as exc:
+                    logger.error("dropped an undecodable message: %s", exc)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            socket.close(linger=0)
+
+    def _send(self) -> None:
+        while True:
+            frames = self.output_queue.get()
+            if frames is None:
+                return
+            self._output_socket.send_multipart(frames, copy=False)
+
+    def send_dead(self, message: str) -> None:
+        self.output_queue.put(encode(MessageType.ENGINE_DEAD, EngineDead(message)))
+
+    def shutdown(self) -> None:
+        self.output_queue.put(None)
+        self._output_thread.join(timeout=5)
+        try:
+            self.core.shutdown()
+        except Exception:  # best effort while exiting
+            logger.exception("error while shutting the executor down")

@@ -1,0 +1,1 @@
+"""Ways to run shoal as a service: the OpenAI-compatible HTTP server (`shoal serve`)."""

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible server: `build_app` (the FastAPI app around one `AsyncLLM`) and `serve`
+(uvicorn on uvloop, as `shoal serve` runs it).
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`
+(503 once the engine is dead), `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`,
+`GET /version` (with the engine core's pid). With an API key every route but `/health`,
+`/metrics` and `/version` needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
+
+import shoal
+from shoal.entrypoints.openai.errors import bad_request, engine_dead, install_exception_handlers
+from shoal.entrypoints.openai.metrics import ServerMetrics
+from shoal.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from shoal.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
+from shoal.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from shoal.entrypoints.openai.stats_logger import StatsLogger
+from shoal.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from shoal.config import EngineArgs
+    from shoal.frontend.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+# Probes and scrapers need no API key.
+OPEN_PATHS = ("/health", "/metrics", "/version")
+_ENGINE_CALL_TIMEOUT_S = 10.0
+_UNWIND_S = 0.1
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The server's own settings (the engine's are `EngineArgs`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_body_bytes: int = 10 * 1024 * 1024
+    stats_interval_s: float = 10.0  # 0 turns the periodic stats line off
+    uvicorn_log_level: str = "info"
+    access_log: bool = True
+    graceful_shutdown_timeout_s: int = 5
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    args: ServerArgs
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    metrics: ServerMetrics
+    stats_logger: StatsLogger
+
+
+def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine: bool = False) -> FastAPI:
+    """The app serving `engine`; with `shutdown_engine` the app's shutdown also ends the engine."""
+    args = args or ServerArgs()
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-tokenizer")
+    metrics = ServerMetrics(engine.config.model_config.served_model_name)
+    stats_logger = StatsLogger(engine, args.stats_interval_s, metrics)
+    engine.add_stats_listener(metrics.on_stats)
+    engine.add_stats_listener(stats_logger.on_stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(stats_logger.run()) if args.stats_interval_s > 0 else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            tokenizer_thread.shutdown(wait=False)
+            if shutdown_engine:
+                # Requests that uvicorn cancelled when its graceful-shutdown time ran out abort
+                # themselves as their cancellation unwinds: let that happen while the engine runs.
+                await asyncio.sleep(_UNWIND_S)
+                engine.shutdown()
+
+    app = FastAPI(title="shoal", version=shoal.__version__, lifespan=lifespan)
+    app.state.shoal = ServerState(
+        engine=engine,
+        args=args,
+        completion=OpenAIServingCompletion(engine, tokenizer_thread),
+        chat=OpenAIServingChat(engine, tokenizer_thread),
+        metrics=metrics,
+        stats_logger=stats_logger,
+    )
+    app.include_router(router)
+    install_exception_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=args.max_request_body_bytes)
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, open_paths=OPEN_PATHS)  # outermost
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.shoal
+
+
+def _alive_engine(request: Request) -> AsyncLLM:
+    engine = _state(request).engine
+    if engine.errored:
+        raise engine_dead()
+    return engine
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    engine = _state(request).engine
+    try:
+        if engine.errored:
+            raise EngineDeadError("engine is dead")
+        await asyncio.wait_for(engine.check_health(), _ENGINE_CALL_TIMEOUT_S)
+    except (EngineDeadError, TimeoutError):
+        return engine_dead().to_response()
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    if not state.engine.errored:
+        with contextlib.suppress(EngineDeadError, TimeoutError):
+            state.metrics.set_engine_stats(await asyncio.wait_for(state.engine.get_stats(), _ENGINE_CALL_TIMEOUT_S))
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/version")
+async def version(request: Request) -> dict[str, Any]:
+    return {"version": shoal.__version__, "engine_core_pid": getattr(_state(request).engine, "engine_core_pid", None)}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_model_card(request)])
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    _state(request).completion.check_model(model)
+    return _model_card(request)
+
+
+def _model_card(request: Request) -> ModelCard:
+    model_config = _state(request).engine.config.model_config
+    return ModelCard(
+        id=model_config.served_model_name, root=model_config.model, max_model_len=model_config.max_model_len
+    )
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    _alive_engine(request)
+    return await _state(request).completion.create_completion(body, request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    _alive_engine(request)
+    return await _state(request).chat.create_chat_completion(body, request)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = _state(request)
+    state.completion.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'")
+    serving = state.completion
+    if body.messages is not None:
+        args = (body.messages, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs)
+        _, token_ids = await state.chat.render(*args)
+    else:
+        encode = functools.partial(serving.tokenizer.encode, add_special_tokens=body.add_special_tokens)
+        token_ids = list(await serving.in_tokenizer_thread(encode, body.prompt))
+    token_strs = serving.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(token_ids), max_model_len=serving.max_model_len, tokens=token_ids, token_strs=token_strs
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    serving = _state(request).completion
+    serving.check_model(body.model)
+    vocab_size = serving.model_config.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of the vocabulary [0, {vocab_size})", "tokens")
+    return DetokenizeResponse(prompt=await serving.in_tokenizer_thread(serving.tokenizer.decode, body.tokens))
+
+
+# ---- running it ----------------------------------------------------------------------------------
+
+
+async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
+    """Start the engine, then serve until SIGINT/SIGTERM; the engine core process ends with us."""
+    from shoal.frontend.async_llm import AsyncLLM
+
+    _check_port_free(args.host, args.port)  # fail before the model loads, not after
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        # Bound after the engine core started, so that its process never holds our socket.
+        sock = _bind(args.host, args.port)
+        app = build_app(engine, args, shutdown_engine=True)
+        config = _uvicorn_config(app, args)
+        import uvicorn
+
+        server = uvicorn.Server(config)
+        ready = asyncio.create_task(_announce_when_ready(server, sock, engine))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            ready.cancel()
+    finally:
+        engine.shutdown()
+
+
+def _uvicorn_config(app: FastAPI, args: ServerArgs) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        log_level=args.uvicorn_log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout_s,
+        timeout_keep_alive=10,
+    )
+
+
+async def _announce_when_ready(server: Any, sock: socket.socket, engine: AsyncLLM) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    logger.info(
+        "shoal is serving %s at http://%s:%d/v1 (engine core pid %s)",
+        engine.config.model_config.served_model_name,
+        host,
+        port,
+        getattr(engine, "engine_core_pid", None),
+    )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    return sock
+
+
+def _check_port_free(host: str, port: int) -> None:
+    if port != 0:
+        _bind(host, port).close()
+
+
+def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
+    """Run `serve` on uvloop (where installed)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(engine_args, args))
+        return
+    uvloop.run(serve(engine_args, args))

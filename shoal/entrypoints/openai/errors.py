@@ -1,0 +1,131 @@
+"""OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, for every failure.
+
+Status codes: 400 bad values (also request-validation errors from pydantic: wrong JSON types,
+missing fields, malformed JSON, as OpenAI answers them; never 422), 401 bad or missing API key,
+404 unknown model or route, 405 wrong method, 413 body too large, 500 a bug, 503 the engine is
+dead. A `ValueError` from shoal's frontend (bad sampling values, a bad prompt) is a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shoal.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from shoal.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# "SamplingParams.top_p must be ..." names the field a client got wrong.
+_PARAM_IN_MESSAGE = re.compile(r"^SamplingParams\.(\w+) ")
+
+
+class APIError(Exception):
+    """An error answered to the client with its HTTP status and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=self.info).model_dump()
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    message = str(exc)
+    match = _PARAM_IN_MESSAGE.match(message)
+    return bad_request(message, param=match.group(1) if match else None)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def engine_dead() -> APIError:
+    return APIError(
+        503, "The engine is dead; this server cannot generate any more.", "server_error", code="engine_dead"
+    )
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Missing or incorrect API key.", code="invalid_api_key")
+
+
+def body_too_large(limit_bytes: int) -> APIError:
+    message = f"The request body is larger than the limit of {limit_bytes} bytes."
+    return APIError(413, message, code="request_too_large")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The client-facing error for any exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead()
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    logger.exception("Unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"Internal server error: {type(exc).__name__}", "server_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line listing every validation error, and the first bad field's name."""
+    parts, params = [], []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+        if error.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}")
+            continue
+        if not loc and error.get("type") in ("model_attributes_type", "dict_type"):
+            parts.append("the body must be a JSON object (send it with Content-Type: application/json)")
+            continue
+        field, message = ".".join(loc), str(error.get("msg")).removeprefix("Value error, ")
+        if field:
+            params.append(field)
+        parts.append(f"{field}: {message}" if field else message)
+    return "; ".join(parts) or "invalid request", params[0] if params else None
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).to_response()
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return bad_request(message, param).to_response()
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            message = f"Not found: {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, message, code=code).to_response()
+
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    for exc_type in (APIError, EngineDeadError, ValueError, Exception):
+        app.add_exception_handler(exc_type, on_api_error)

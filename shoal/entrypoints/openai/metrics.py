@@ -1,0 +1,124 @@
+"""Prometheus metrics at `GET /metrics`, named as vLLM names them with a `shoal:` prefix.
+
+Token counts, latencies and finished requests come from the engine's stats listener (once per
+batch of outputs). The gauges (running and waiting requests, KV-cache usage, used KV blocks)
+are also refreshed from `AsyncLLM.get_stats()` on every scrape, so they are exact even after
+requests that ended without an output (aborts). Every app has its own `CollectorRegistry`, so
+several servers in one process never collide.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from shoal.frontend.stats import IterationStats
+    from shoal.protocol import SchedulerStats
+
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 600.0)
+_TOKEN_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS_S = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+_TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._last_cumulative: dict[str, int] = {}
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"shoal:{name}", doc, [*labels, *extra_labels], registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"shoal:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"shoal:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.request_success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(model_name)
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.num_requests_running = gauge("num_requests_running", "Requests being computed.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.num_used_kv_blocks = gauge("num_used_kv_blocks", "KV-cache blocks held by requests.")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to the first token.", _LATENCY_BUCKETS_S
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two output tokens.", _TOKEN_LATENCY_BUCKETS_S
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Decode time per output token, per request.", _TOKEN_LATENCY_BUCKETS_S
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Request latency, arrival to last token.", _REQUEST_BUCKETS_S
+        )
+        self.request_queue_time = histogram("request_queue_time_seconds", "Time waiting.", _REQUEST_BUCKETS_S)
+        self.request_prefill_time = histogram("request_prefill_time_seconds", "Time prefilling.", _REQUEST_BUCKETS_S)
+        self.request_decode_time = histogram("request_decode_time_seconds", "Time decoding.", _REQUEST_BUCKETS_S)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", _TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", _TOKEN_COUNT_BUCKETS
+        )
+
+    def on_stats(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+        """The engine's stats listener: called once per batch of outputs."""
+        if scheduler_stats is not None:
+            self.set_engine_stats(
+                {
+                    "num_running_reqs": scheduler_stats.num_running_reqs,
+                    "num_waiting_reqs": scheduler_stats.num_waiting_reqs,
+                    "kv_cache_usage": scheduler_stats.kv_cache_usage,
+                    "num_used_blocks": scheduler_stats.num_used_blocks,
+                    "prefix_cache_queries": scheduler_stats.prefix_cache_queries,
+                    "prefix_cache_hits": scheduler_stats.prefix_cache_hits,
+                    "num_preemptions": scheduler_stats.num_preemptions,
+                }
+            )
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            self.request_success.labels(self.model_name, finished.finish_reason).inc()
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_queue_time.observe(finished.queued_time)
+            self.request_prefill_time.observe(finished.prefill_time)
+            self.request_decode_time.observe(finished.decode_time)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+            if finished.num_generation_tokens > 1:
+                self.time_per_output_token.observe(finished.decode_time / (finished.num_generation_tokens - 1))
+
+    def set_engine_stats(self, stats: dict[str, Any]) -> None:
+        """Gauges and cumulative counters from the engine core's counters (`AsyncLLM.get_stats`)."""
+        self.num_requests_running.set(stats.get("num_running_reqs", 0))
+        self.num_requests_waiting.set(stats.get("num_waiting_reqs", 0))
+        self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.num_used_kv_blocks.set(stats.get("num_used_blocks", 0))
+        self._advance(self.prefix_cache_queries.labels(self.model_name), "prefix_cache_queries", stats)
+        self._advance(self.prefix_cache_hits.labels(self.model_name), "prefix_cache_hits", stats)
+        self._advance(self.num_preemptions.labels(self.model_name), "num_preemptions", stats)
+
+    def _advance(self, counter: Any, key: str, stats: dict[str, Any]) -> None:
+        """Move a Prometheus counter up to a cumulative value the engine core reports."""
+        value = int(stats.get(key, 0))
+        last = self._last_cumulative.get(key, 0)
+        if value > last:
+            counter.inc(value - last)
+        self._last_cumulative[key] = max(value, last)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

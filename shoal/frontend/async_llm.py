@@ -1,0 +1,193 @@
+"""`AsyncLLM`: the asyncio engine the server uses — one async generator per request.
+
+One output-handler task reads the engine core's outputs, runs them through the
+`OutputProcessor` and puts each `RequestOutput` on its request's queue. Closing or cancelling a
+request's generator aborts it in the core (its KV blocks are freed). If the engine dies, every
+open generator raises `EngineDeadError` and `check_health` fails from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from shoal.config import EngineArgs, EngineConfig
+from shoal.errors import EngineDeadError
+from shoal.frontend.core_client import AsyncInprocClient, AsyncMPClient
+from shoal.frontend.input_processor import InputProcessor, PromptType
+from shoal.frontend.output_processor import OutputKind, OutputProcessor
+from shoal.frontend.stats import IterationStats, StatsTracker
+from shoal.frontend.tokenizer import get_tokenizer
+from shoal.outputs import RequestOutput
+from shoal.protocol import SchedulerStats
+from shoal.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs, *, multiprocess: bool = True, log_stats: bool = True) -> None:
+        self.config: EngineConfig = engine_args.create_engine_config()
+        self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core: AsyncMPClient | AsyncInprocClient = (
+            AsyncMPClient(self.config) if multiprocess else AsyncInprocClient(self.config)
+        )
+        self.log_stats = log_stats
+        self._stats = StatsTracker()
+        self._listeners: list[StatsListener] = []
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._handler: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> AsyncLLM:
+        return cls(engine_args, multiprocess=multiprocess)
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def engine_core_pid(self) -> int | None:
+        return self.engine_core.engine_core_pid
+
+    def add_stats_listener(self, callback: StatsListener) -> None:
+        self._listeners.append(callback)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        output_kind: OutputKind = OutputKind.DELTA,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come; the last one has `finished=True`."""
+        self._check_alive()
+        text, token_ids = self.input_processor.tokenize(prompt)
+        self.input_processor.validate_prompt(token_ids)
+        queue = self._add_request(request_id, text, token_ids, sampling_params, output_kind)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort(request_id)
+
+    def _add_request(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, kind: OutputKind
+    ) -> asyncio.Queue[RequestOutput | BaseException]:
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_output_handler()
+        children = self.output_processor.add_request(request_id, text, token_ids, params, kind)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        arrival = time.time()
+        for child_id, child_params in children:
+            request = self.input_processor.process(child_id, token_ids, child_params, arrival)
+            self._stats.add_request(child_id, arrival, len(token_ids))
+            self.engine_core.add_request(request)
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort_request(request_id)
+        for child_id in child_ids:
+            self._stats.remove(child_id)
+        if child_ids and self._dead is None:
+            self.engine_core.abort_requests(child_ids)
+
+    # ---- the output handler ----------------------------------------------------------------------
+
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._handler is None:
+            self._handler = loop.create_task(self._handle_outputs())
+        elif self._handler.get_loop() is not loop:
+            raise RuntimeError("an AsyncLLM serves the event loop it was first used in; use one loop")
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                for request_output in processed.request_outputs:
+                    queue = self._queues.get(request_output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(request_output)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                self._report_stats(outputs.scheduler_stats, outputs.outputs)
+        except EngineDeadError as exc:
+            self._fail_all(exc)
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            logger.exception("the output handler failed")
+            self._fail_all(EngineDeadError(f"the output handler failed: {exc}"))
+
+    def _report_stats(self, scheduler_stats: SchedulerStats | None, outputs: list) -> None:
+        if not self.log_stats:
+            return
+        iteration = self._stats.observe(outputs)
+        for listener in self._listeners:
+            try:
+                listener(scheduler_stats, iteration)
+            except Exception:  # a metrics bug must not stop serving
+                logger.exception("stats listener failed")
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self._dead = error
+        logger.error("engine is dead: %s", error)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        dead = self.engine_core.dead_error
+        if dead is not None:
+            raise dead
+
+    # ---- engine control --------------------------------------------------------------------------
+
+    async def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        return await self._call("collective_rpc", method, list(args), kwargs, timeout)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call("reset_prefix_cache")
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self._call("get_stats")
+
+    async def check_health(self) -> None:
+        self._check_alive()
+        await self._call("check_health")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        self._ensure_output_handler()
+        return await self.engine_core.call_utility_async(method, *args)
+
+    def shutdown(self) -> None:
+        if self._handler is not None:
+            self._handler.cancel()
+        self.engine_core.shutdown()
