@@ -24,7 +24,6 @@ from shoal.config import EngineConfig
 from shoal.engine_core.engine_core import EngineCore
 from shoal.errors import EngineDeadError
 from shoal.protocol import (
-    Abort,
     EngineCoreRequest,
     EngineDead,
     EngineReady,
