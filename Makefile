@@ -41,4 +41,4 @@ bench-scheduler: install
 	$(BIN)/python benchmarks/bench_scheduler.py
 
 clean:
-	rm -rf build shoal/_C*.so
+	rm -rf build shoal/_C*.so shoal/_C*.json

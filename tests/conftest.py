@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,3 +21,25 @@ def demo_model_path() -> str:
     from shoal.demo_model import ensure_demo_model
 
     return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[dict]:
+    """One local Ray cluster shared by every test of the session that needs one: 4 logical CPUs
+    (TP=2 x PP=2 takes four {"CPU": 1} bundles, on any number of cores). RAY_ADDRESS points
+    engine-core subprocesses at it; token authentication is off so that they may connect by
+    address."""
+    import os
+
+    import ray
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAY_AUTH_MODE", "disabled")
+    context = ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    patch.setenv("RAY_ADDRESS", context.address_info["gcs_address"])
+    assert os.environ["RAY_ADDRESS"]
+    try:
+        yield context.address_info
+    finally:
+        ray.shutdown()
+        patch.undo()

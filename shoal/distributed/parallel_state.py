@@ -1,14 +1,30 @@
 """Parallel state of one worker: its tensor-parallel and pipeline-parallel groups.
 
-Ranks are laid out as `rank = pp_rank * tp_size + tp_rank`. Before `initialize_model_parallel`
-runs (a single-process engine), both groups are trivial: one rank, collectives are no-ops.
+Ranks are laid out as `rank = pp_rank * tp_size + tp_rank`: a tensor-parallel group is one
+pipeline stage (`tp_size` consecutive ranks), a pipeline-parallel group is the ranks of one
+`tp_rank` across the stages. Before `initialize_model_parallel` runs (a single-process engine),
+both groups are trivial: one rank, collectives are no-ops.
+
+Start-up, on every worker at once: `init_distributed_environment` (the torch.distributed world,
+gloo, from a tcp:// address) then `initialize_model_parallel` (the groups, each with a gloo
+communicator on CPU or a CuPy NCCL one on GPU).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+
+from shoal.distributed.communicator import Communicator, CupyNcclCommunicator, GlooCommunicator, NcclUniqueId
+
+logger = logging.getLogger(__name__)
+
+# How long torch.distributed waits for every rank at start-up and in a gloo collective.
+DISTRIBUTED_TIMEOUT_S = 600
 
 
 @dataclass
@@ -17,7 +33,7 @@ class GroupCoordinator:
 
     ranks: list[int]  # global ranks in the group
     rank_in_group: int
-    communicator: object | None = None  # a shoal.distributed.communicator.Communicator
+    communicator: Communicator | None = None  # None when the group has a single rank
 
     @property
     def world_size(self) -> int:
@@ -40,6 +56,11 @@ class GroupCoordinator:
         if self.world_size == 1:
             return tensor
         return self.communicator.all_gather(tensor, dim)  # type: ignore[union-attr]
+
+    def broadcast(self, tensor: torch.Tensor, src_in_group: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        return self.communicator.broadcast(tensor, src_in_group)  # type: ignore[union-attr]
 
     def send(self, tensor: torch.Tensor, dst_in_group: int) -> None:
         self.communicator.send(tensor, dst_in_group)  # type: ignore[union-attr]
@@ -87,3 +108,84 @@ def pp_layer_range(
         partition = tuple(base + (1 if i < extra else 0) for i in range(pp_size))
     start = sum(partition[:pp_rank])
     return start, start + partition[pp_rank]
+
+
+def tp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
+    """Every tensor-parallel group: one per pipeline stage, its `tp_size` consecutive ranks."""
+    return [[pp_rank * tp_size + tp_rank for tp_rank in range(tp_size)] for pp_rank in range(pp_size)]
+
+
+def pp_group_ranks(tp_size: int, pp_size: int) -> list[list[int]]:
+    """Every pipeline-parallel group: one per `tp_rank`, that rank of each stage in stage order."""
+    return [[pp_rank * tp_size + tp_rank for pp_rank in range(pp_size)] for tp_rank in range(tp_size)]
+
+
+def init_distributed_environment(world_size: int, rank: int, init_method: str) -> None:
+    """Join the torch.distributed world (gloo; `init_method` is tcp://<rank 0's ip>:<port>).
+    A collective: every rank calls it at the same time."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process")
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        world_size=world_size,
+        rank=rank,
+        timeout=timedelta(seconds=DISTRIBUTED_TIMEOUT_S),
+    )
+
+
+def initialize_model_parallel(
+    tp_size: int,
+    pp_size: int,
+    device: torch.device,
+    nccl_unique_ids: dict[tuple[int, ...], NcclUniqueId] | None = None,
+) -> None:
+    """Create this worker's tensor- and pipeline-parallel groups and install them.
+
+    On GPU, `nccl_unique_ids` maps each group of more than one rank (its global ranks, as a
+    tuple) to the NCCL unique id that the group's rank 0 created.
+    """
+    rank = dist.get_rank()
+    tp = _create_group(tp_group_ranks(tp_size, pp_size), rank, device, nccl_unique_ids)
+    pp = _create_group(pp_group_ranks(tp_size, pp_size), rank, device, nccl_unique_ids)
+    set_model_parallel_groups(tp, pp)
+    logger.debug("rank %d: tensor-parallel ranks %s, pipeline-parallel ranks %s", rank, tp.ranks, pp.ranks)
+
+
+def _create_group(
+    all_group_ranks: list[list[int]],
+    rank: int,
+    device: torch.device,
+    nccl_unique_ids: dict[tuple[int, ...], NcclUniqueId] | None,
+) -> GroupCoordinator:
+    """This rank's group among `all_group_ranks`, with the communicator of its device."""
+    mine: GroupCoordinator | None = None
+    for ranks in all_group_ranks:
+        gloo_group = None
+        if device.type == "cpu" and len(ranks) > 1:
+            # torch.distributed wants every rank to create every group, in the same order.
+            gloo_group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
+        if rank not in ranks:
+            continue
+        rank_in_group = ranks.index(rank)
+        communicator: Communicator | None = None
+        if gloo_group is not None:
+            communicator = GlooCommunicator(gloo_group)
+        elif len(ranks) > 1:
+            if nccl_unique_ids is None or tuple(ranks) not in nccl_unique_ids:
+                raise ValueError(f"no NCCL unique id for the group of ranks {ranks}")
+            communicator = CupyNcclCommunicator(nccl_unique_ids[tuple(ranks)], rank_in_group, len(ranks), device)
+        mine = GroupCoordinator(ranks=ranks, rank_in_group=rank_in_group, communicator=communicator)
+    if mine is None:
+        raise ValueError(f"rank {rank} is in none of the groups {all_group_ranks}")
+    return mine
+
+
+def destroy_model_parallel() -> None:
+    """Release the groups' communicators and leave the torch.distributed world."""
+    for group in (_TP, _PP):
+        if group is not None and group.communicator is not None:
+            group.communicator.destroy()
+    set_model_parallel_groups(None, None)
+    if dist.is_initialized():
+        dist.destroy_process_group()

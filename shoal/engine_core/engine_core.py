@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from shoal.config import EngineConfig
+from shoal.engine_core.batch import SchedulerOutput
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
-from shoal.executors.abstract import Executor
+from shoal.executors.abstract import Executor, StepFuture
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,10 @@ class EngineCore:
         self._check_capacity(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_kv_blocks)
+        # Pipeline parallelism keeps one batch in flight per stage (see step_with_batch_queue).
+        pp_size = config.parallel_config.pipeline_parallel_size
+        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] | None = deque() if pp_size > 1 else None
+        self.batch_queue_size = pp_size
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -67,11 +73,29 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one batch: schedule it, execute it on the workers, apply what they sampled."""
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
         model_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Pipeline parallelism: up to `pipeline_parallel_size` batches run at once, one per
+        stage. While the queue has room and a request is not in flight, schedule and launch
+        another batch; otherwise wait for the oldest batch and apply what it sampled."""
+        assert self.batch_queue is not None
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_schedulable_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                self.batch_queue.append((scheduler_output, future))
+                return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        if not self.batch_queue:
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        scheduler_output, future = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
 
     # ---- utility calls (collective_rpc, cache control, health) ------------------------------
 

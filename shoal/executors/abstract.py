@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Literal, Protocol, overload
 
 from shoal.config import EngineConfig
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
+__all__ = ["EngineDeadError", "Executor", "StepFuture"]
 
 
-class EngineDeadError(RuntimeError):
-    """A worker (or the engine-core process) died; the engine cannot serve any more."""
+class StepFuture(Protocol):
+    """A step still running on the workers (`execute_model(..., non_block=True)`)."""
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        """Wait for the step; its sampled tokens, or `EngineDeadError` if a worker died."""
+        ...
 
 
 class Executor(ABC):
@@ -51,9 +57,20 @@ class Executor(ABC):
     ) -> list[Any]:
         """Call `method` on every worker; returns each worker's result in rank order."""
 
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False
+    ) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[True]) -> StepFuture: ...
+
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on all workers; returns the sampling rank's output."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | StepFuture:
+        """Run one step on all workers; returns the sampling rank's output, or with
+        `non_block=True` (pipeline parallelism keeps several steps in flight) a `StepFuture`."""
 
     def initialize_kv_cache(self) -> int:
         """Size the KV cache (the smallest that fits on every worker) and allocate it

@@ -14,6 +14,7 @@ an ENGINE_DEAD message through the output socket, so every waiting caller gets
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -23,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
@@ -117,6 +119,17 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+_LIVE_CLIENTS: weakref.WeakSet[MPClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_clients() -> None:
+    """Stop engine-core processes still running when the interpreter exits (before
+    multiprocessing's own exit handler kills them and the monitors report a death)."""
+    for client in list(_LIVE_CLIENTS):
+        client.shutdown()
+
+
 class MPClient:
     """Starts the engine-core process and owns the two sockets to it."""
 
@@ -141,6 +154,7 @@ class MPClient:
             daemon=True,
         )
         self.process.start()
+        _LIVE_CLIENTS.add(self)
         self.num_kv_blocks = self._wait_until_ready()
         self._monitor = threading.Thread(target=self._watch_process, name="shoal-core-monitor", daemon=True)
         self._monitor.start()
@@ -158,6 +172,8 @@ class MPClient:
                     return message.num_kv_blocks
                 if kind == MessageType.ENGINE_DEAD:
                     self._cleanup()
+                    if message.message.startswith("ValueError: "):  # a bad argument, as in-process
+                        raise ValueError(message.message.removeprefix("ValueError: "))
                     raise RuntimeError(f"the engine core failed to start: {message.message}")
             elif not self.process.is_alive():
                 code = self.process.exitcode
@@ -185,6 +201,7 @@ class MPClient:
         if self._shutting_down:
             return
         self._shutting_down = True
+        _LIVE_CLIENTS.discard(self)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=10)

@@ -14,13 +14,14 @@ SDPA call per request.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from shoal.forward_context import AttentionMetadata
-from shoal.kernels.dispatch import compiled_op
+from shoal.kernels.dispatch import csrc_op, registered_kernel
 
 
 @dataclass
@@ -120,12 +121,31 @@ def paged_attention_ref(
     return out
 
 
+# The one switch between the attention kernels on CUDA, set from benchmarks/bench_kernels.py:
+# a pure-decode batch (one new token per request) runs the csrc split-K kernel ("csrc") or the
+# Triton decode kernel ("triton"). A batch with prefill tokens always prefers Triton, whose
+# kernel reads each KV tile once per tile of query tokens; the csrc kernel handles such batches
+# correctly but re-reads the context for every query token.
+DECODE_KERNEL = "triton"
+# Head sizes the csrc kernel is compiled for.
+CSRC_HEAD_SIZES = (64, 128, 256)
+
+
+def _attention_kernel(query: torch.Tensor, md: AttentionMetadata) -> Callable[..., object] | None:
+    """The compiled kernel for this batch, or None to run the reference."""
+    csrc = csrc_op("paged_attention", query) if query.shape[-1] in CSRC_HEAD_SIZES else None
+    if md.max_query_len == 1 and DECODE_KERNEL == "csrc" and csrc is not None:
+        return csrc
+    return registered_kernel("paged_attention", query) or csrc
+
+
 def paged_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Compiled schema: `paged_attention(out, query, kv_cache, query_start_loc, seq_lens,
-    block_tables, max_query_len, max_seq_len, scale) -> ()`, writing `out` like `query`."""
-    op = compiled_op("paged_attention", query)
+    block_tables, max_query_len, max_seq_len, scale, num_splits=0) -> ()`, writing `out` like
+    `query` (num_splits: parts each context is split into; 0 lets the kernel choose)."""
+    op = _attention_kernel(query, attn_metadata)
     if op is None:
         return paged_attention_ref(query, kv_cache, attn_metadata, scale)
     md = attn_metadata
@@ -141,4 +161,6 @@ def paged_attention(
         md.max_seq_len,
         scale,
     )
+    if out.shape[0] > md.num_tokens:  # rows past the batch (padding) are zero, as in the reference
+        out[md.num_tokens :].zero_()
     return out

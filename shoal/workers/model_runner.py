@@ -4,6 +4,10 @@ Each step: apply the scheduler's diffs to the persistent `InputBatch`; gather th
 (token ids, positions, slot mapping, block tables) with numpy; run the model under the step's
 attention metadata; compute logits only where a token is sampled (or prompt logprobs are
 wanted); sample.
+
+With pipeline parallelism a stage after the first receives the previous stage's hidden states
+and residual before its forward, and a stage before the last sends its own after; only the last
+stage computes logits and samples.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from shoal.workers.input_batch import InputBatch, RequestState
 from shoal.workers.sampler import Sampler, build_sampling_metadata, logprobs_lists
 
 logger = logging.getLogger(__name__)
+
+# What one pipeline stage hands the next (the models' intermediate tensors), in send order.
+INTERMEDIATE_TENSOR_NAMES = ("hidden_states", "residual")
 
 
 @dataclass
@@ -95,13 +102,38 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
         inputs = self._prepare_inputs(scheduler_output)
+        intermediate_tensors = self._recv_intermediate_tensors(scheduler_output.total_num_scheduled_tokens)
         with set_forward_context(inputs.attn_metadata):
-            hidden_states = self._model(inputs.input_ids, inputs.positions)
+            hidden_states = self._model(inputs.input_ids, inputs.positions, intermediate_tensors)
+        if not get_pp_group().is_last_rank:
+            self._send_intermediate_tensors(hidden_states)
+            return None
+        # Every tensor-parallel rank of the last stage takes part: the logits are all-gathered
+        # across the group. Only the sampling rank's tokens go back to the engine.
+        output = self._sample(inputs, hidden_states)
         if not self.is_sampling_rank:
             return None
-        output = self._sample(inputs, hidden_states)
         output.step_id = scheduler_output.step_id
         return output
+
+    def _recv_intermediate_tensors(self, num_tokens: int) -> dict[str, torch.Tensor] | None:
+        """The previous pipeline stage's {"hidden_states", "residual"}, each [num_tokens,
+        hidden_size]; None on the first stage."""
+        pp = get_pp_group()
+        if pp.is_first_rank:
+            return None
+        shape = (num_tokens, self.model_config.hf_config.hidden_size)
+        return {
+            name: pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device), pp.rank_in_group - 1)
+            for name in INTERMEDIATE_TENSOR_NAMES
+        }
+
+    def _send_intermediate_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Send this stage's {"hidden_states", "residual"} to the next stage, in the order it
+        receives them."""
+        pp = get_pp_group()
+        for name in INTERMEDIATE_TENSOR_NAMES:
+            pp.send(tensors[name], pp.rank_in_group + 1)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         batch = self.input_batch

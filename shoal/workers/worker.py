@@ -1,7 +1,8 @@
 """`Worker`: one device's share of the engine — device setup, model, KV cache, and steps.
 
 The same class runs in the engine-core process (`UniProcExecutor`) and inside a Ray actor
-(`RayExecutor`), one per GPU or CPU bundle.
+(`RayExecutor`), one per GPU or CPU bundle. Start-up: `init_device`, then (several workers only)
+`init_distributed`, then `load_model`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from shoal import envs
 from shoal.config import EngineConfig
+from shoal.distributed import parallel_state
+from shoal.distributed.communicator import NcclUniqueId
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.workers.model_runner import ModelRunner
 
@@ -42,6 +45,17 @@ class Worker:
             torch.set_num_threads(envs.SHOAL_CPU_THREADS)
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+
+    def init_distributed(
+        self, init_method: str, nccl_unique_ids: dict[tuple[int, ...], NcclUniqueId] | None = None
+    ) -> None:
+        """Join the world of `tensor_parallel_size * pipeline_parallel_size` workers (at the same
+        time as all of them) and install this worker's tensor- and pipeline-parallel groups."""
+        parallel = self.config.parallel_config
+        parallel_state.init_distributed_environment(parallel.world_size, self.rank, init_method)
+        parallel_state.initialize_model_parallel(
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.device, nccl_unique_ids
+        )
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -98,6 +112,8 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.config.parallel_config.world_size > 1:
+            parallel_state.destroy_model_parallel()
 
     @property
     def runner(self) -> ModelRunner:

@@ -24,9 +24,14 @@ def allocate_block_tables(
 
 
 def make_attention_metadata(
-    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Request i computes its positions [seq_lens[i] - query_lens[i], seq_lens[i])."""
+    """Request i computes its positions [seq_lens[i] - query_lens[i], seq_lens[i]); the index
+    tensors live on `device`, their host copies on the CPU."""
     slots = []
     for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
         for pos in range(seq_len - query_len, seq_len):
@@ -40,11 +45,41 @@ def make_attention_metadata(
         num_tokens=sum(query_lens),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens_t,
-        block_tables=torch.tensor(padded, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens_t.to(device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc_cpu=query_start_loc.clone(),
         seq_lens_cpu=seq_lens_t.clone(),
         is_decode_only=all(q == 1 for q in query_lens),
     )
+
+
+def make_paged_attention_inputs(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(query [num_tokens, num_heads, head_size], kv_cache [2, num_blocks, block_size,
+    num_kv_heads, head_size], metadata) with every request's whole context already cached in
+    shuffled blocks, and spare blocks of noise that no request owns."""
+    from shoal.kernels.reshape_and_cache import reshape_and_cache_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    tables = allocate_block_tables(seq_lens, block_size, num_blocks, gen)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(dtype)
+    total = sum(seq_lens)
+    keys = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+    values = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+    full = make_attention_metadata(seq_lens, seq_lens, tables, block_size)
+    reshape_and_cache_ref(keys, values, kv_cache, full.slot_mapping)
+    md = make_attention_metadata(query_lens, seq_lens, tables, block_size, device)
+    query = torch.randn(md.num_tokens, num_heads, head_size, generator=gen).to(dtype)
+    return query.to(device), kv_cache.to(device), md

@@ -3,9 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shoal.kernels import paged_attention as paged_attention_module
 from shoal.kernels.paged_attention import paged_attention, paged_attention_ref, plan_paged_attention
 from shoal.kernels.reshape_and_cache import reshape_and_cache_ref
-from tests.kernels.metadata_utils import allocate_block_tables, make_attention_metadata
+from tests.kernels.attention_cases import GPU_BATCHES, GPU_HEADS, GPU_TOLERANCE, run_compiled
+from tests.kernels.csrc_utils import DTYPES as CSRC_DTYPES
+from tests.kernels.csrc_utils import csrc_op
+from tests.kernels.metadata_utils import allocate_block_tables, make_attention_metadata, make_paged_attention_inputs
 
 # (query_lens, seq_lens): pure prefill, pure decode, chunked prefill, and a mix of all three.
 BATCHES = [
@@ -72,3 +76,60 @@ def test_padding_rows_are_zero():
     md.num_tokens = 3
     out = paged_attention_ref(query, torch.randn(2, 3, 4, 2, 8), md, 1.0)
     assert torch.count_nonzero(out[3]) == 0
+
+
+# --- the compiled kernels against the reference (GPU) ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", GPU_BATCHES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", GPU_HEADS)
+@pytest.mark.parametrize("dtype", CSRC_DTYPES)
+def test_paged_attention_csrc(batch, num_heads, num_kv_heads, dtype):
+    run_compiled(csrc_op("paged_attention"), batch, num_heads, num_kv_heads, 128, 16, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 256])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_paged_attention_csrc_head_and_block_sizes(head_size, block_size):
+    run_compiled(csrc_op("paged_attention"), GPU_BATCHES[2], 8, 2, head_size, block_size, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+def test_paged_attention_csrc_forced_splits(num_splits):
+    """Split-K with any split count (clamped to the chunk count) agrees with the reference."""
+    run_compiled(csrc_op("paged_attention"), GPU_BATCHES[0], 32, 8, 128, 16, torch.float32, num_splits)
+    run_compiled(csrc_op("paged_attention"), GPU_BATCHES[2], 32, 8, 128, 16, torch.bfloat16, num_splits)
+
+
+@pytest.mark.gpu
+def test_paged_attention_csrc_zeroes_padding_rows():
+    query, kv_cache, md = make_paged_attention_inputs([1, 1], [5, 700], 8, 2, 128, 16, torch.bfloat16, device="cuda")
+    padded = torch.cat([query, torch.randn_like(query[:3])])  # 3 rows past the batch
+    for num_splits in (1, 3):
+        out = torch.full_like(padded, float("nan"))
+        csrc_op("paged_attention")(
+            out, padded, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, 1, 700, 0.1, num_splits
+        )
+        assert torch.count_nonzero(out[2:]) == 0
+        torch.testing.assert_close(
+            out[:2], paged_attention_ref(query, kv_cache, md, 0.1), **GPU_TOLERANCE[torch.bfloat16]
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_kernel", ["csrc", "triton"])
+@pytest.mark.parametrize("batch", [GPU_BATCHES[0], GPU_BATCHES[2]])
+def test_paged_attention_wrapper_on_gpu(monkeypatch, decode_kernel, batch):
+    """The public wrapper picks a compiled kernel on CUDA and pads like the reference."""
+    monkeypatch.setattr(paged_attention_module, "DECODE_KERNEL", decode_kernel)
+    query, kv_cache, md = make_paged_attention_inputs(*batch, 32, 8, 128, 16, torch.bfloat16, device="cuda")
+    assert paged_attention_module._attention_kernel(query, md) is not None
+    padded = torch.cat([query, torch.randn_like(query[:2])])
+    out = paged_attention(padded, kv_cache, md, 128**-0.5)
+    torch.testing.assert_close(
+        out[: md.num_tokens], paged_attention_ref(query, kv_cache, md, 128**-0.5), **GPU_TOLERANCE[torch.bfloat16]
+    )
+    assert torch.count_nonzero(out[md.num_tokens :]) == 0

@@ -5,6 +5,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shoal.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from tests.kernels.csrc_utils import DTYPES as CSRC_DTYPES
+from tests.kernels.csrc_utils import csrc_op, tolerance
 
 
 def _cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
@@ -71,3 +73,38 @@ def test_rotates_strided_views_in_place():
     q, k, _ = qkv.split([32, 16, 16], dim=-1)
     rotary_embedding_ref(positions, q, k, 16, cache, is_neox=True)
     assert torch.equal(qkv[:, :32], expected_q) and torch.equal(qkv[:, 32:48], expected_k)
+
+
+# --- the compiled op against the reference (GPU) ---------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("head_size,rotary_dim", [(64, 64), (128, 128), (64, 32)])
+@pytest.mark.parametrize("dtype", CSRC_DTYPES)
+@pytest.mark.parametrize("cache_in_float32", [True, False])
+def test_rotary_embedding_csrc_matches_reference(is_neox, head_size, rotary_dim, dtype, cache_in_float32):
+    num_tokens, num_heads, num_kv_heads = 19, 8, 2
+    positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
+    cache = _cos_sin_cache(4096, rotary_dim).to("cuda", torch.float32 if cache_in_float32 else dtype)
+    # q and k as column slices of a fused qkv projection.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, device="cuda")
+    query, key, _ = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], -1)
+    query_ref, key_ref = query.clone(), key.clone()
+    csrc_op("rotary_embedding")(positions, query, key, head_size, cache, is_neox)
+    rotary_embedding_ref(positions, query_ref, key_ref, head_size, cache, is_neox)
+    torch.testing.assert_close(query, query_ref, **tolerance(dtype))
+    torch.testing.assert_close(key, key_ref, **tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_rotary_embedding_csrc_int32_positions_and_3d_heads():
+    positions = torch.randint(0, 128, (5,), device="cuda", dtype=torch.int32)
+    query = torch.randn(5, 4, 32, device="cuda")
+    key = torch.randn(5, 2, 32, device="cuda")
+    cache = _cos_sin_cache(128, 32).cuda()
+    query_ref, key_ref = query.clone(), key.clone()
+    csrc_op("rotary_embedding")(positions, query, key, 32, cache, True)
+    rotary_embedding_ref(positions, query_ref, key_ref, 32, cache, True)
+    torch.testing.assert_close(query, query_ref, **tolerance(torch.float32))
+    torch.testing.assert_close(key, key_ref, **tolerance(torch.float32))

@@ -1,0 +1,28 @@
+"""Triton kernels, registered with the dispatcher (shoal/kernels/dispatch.py) when triton imports.
+
+Triton is not a dependency of shoal: GPU machines bring it with their torch, CPU machines need
+none of this (a kernel can still be debugged there under TRITON_INTERPRET=1 on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def register_triton_kernels() -> bool:
+    """Register every Triton kernel with the dispatcher; False when triton is not installed."""
+    if not triton_available():
+        logger.debug("triton is not installed: no Triton kernels")
+        return False
+    from shoal.kernels.dispatch import register_kernel
+    from shoal.kernels.triton.paged_attention import triton_paged_attention
+
+    register_kernel("paged_attention", triton_paged_attention)
+    return True

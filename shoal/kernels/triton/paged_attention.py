@@ -1,0 +1,432 @@
+"""Triton attention over the paged KV cache for a flat batch of prefill and decode tokens (Kwon
+et al., 2023, "PagedAttention"), with grouped-query attention, flash attention's online softmax
+(Dao et al., 2022) and split-K decoding ("Flash-Decoding", Dao et al., 2023). Semantics:
+`paged_attention_ref` in shoal/kernels/paged_attention.py; `triton_paged_attention` takes the
+arguments of the compiled op `paged_attention`.
+
+Two kernels:
+
+- `_unified_attention_kernel` runs the whole batch in one launch. A program takes BLOCK_Q query
+  tokens of one request and the HEADS_PER_KV query heads of one KV head, so its BLOCK_M rows
+  (token-major: row r is token r // HEADS_PER_KV, head r % HEADS_PER_KV) share every key and
+  value tile it loads. It walks the request's context in BLOCK_N-position tiles up to the
+  causal bound of its last token, gathering each tile's cache rows through the block table.
+  Prefix-cache hits need nothing special: the request's context_len = seq_len - query_len
+  cached positions simply come first.
+- `_decode_kernel` + `_decode_reduce_kernel` serve decode-only batches (one token per request):
+  a program takes one request and one KV head, and the context is split across NUM_SPLITS
+  programs when the batch alone cannot fill the GPU; the second kernel merges the partial
+  softmaxes.
+
+Numbering the unified kernel's programs: the query tiles of all requests share one grid axis
+with no host-side list. Request i's tiles are numbered from query_start_loc[i] // BLOCK_Q + i,
+which leaves room for its ceil(query_len_i / BLOCK_Q) tiles (floor((a + q) / B) - floor(a / B)
++ 1 >= ceil(q / B)); so num_tokens // BLOCK_Q + num_reqs programs cover the batch, each finds
+its request by binary search, and those numbered past their request's last tile exit at once.
+
+Softmax runs in base 2: scores are scaled by scale * log2(e) so that exp2 replaces exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its partial write than it saves
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
+    """The last request whose first tile number (query_start_loc[i] // BLOCK_Q + i) is <= tile."""
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_reqs - 1  # a tensor even when Triton specializes num_reqs == 1 to a constant
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,  # scale * log2(e)
+    num_reqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    HEADS_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # HEAD_SIZE rounded up to a power of two
+    BLOCK_SIZE: tl.constexpr,  # positions per KV cache block
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * HEADS_PER_KV, rounded up to a power of two
+    BLOCK_N: tl.constexpr,  # context positions per tile
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_tile = tile - (q_start // BLOCK_Q + req)
+    if local_tile * BLOCK_Q >= query_len:
+        return  # a spare tile number past this request's last tile
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_token = local_tile * BLOCK_Q + offs_m // HEADS_PER_KV  # [BLOCK_M] token within the request
+    head = kv_head * HEADS_PER_KV + offs_m % HEADS_PER_KV  # [BLOCK_M]
+    row_valid = (offs_m < BLOCK_Q * HEADS_PER_KV) & (q_token < query_len)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_valid = offs_d < HEAD_SIZE
+    q_rows = (q_start + q_token).to(tl.int64) * stride_q_tok + head * stride_q_head  # [BLOCK_M]
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    q_pos = context_len + q_token  # [BLOCK_M] position of each row's token: it sees [0, q_pos]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    # Causal bound of the tile's last token; every row sees position 0, so no row stays all -inf.
+    kv_end = tl.minimum(seq_len, context_len + (local_tile + 1) * BLOCK_Q)
+    block_table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+        n_valid = offs_n < kv_end
+        block = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+        slot = block.to(tl.int64) * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)  # rescales what earlier tiles accumulated
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_rows = (q_start + q_token).to(tl.int64) * stride_o_tok + head * stride_o_head
+    tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=row_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr,
+    partial_out_ptr,  # [num_reqs, num_heads, num_splits, HEAD_PAD] float32 (SPLIT only)
+    partial_max_ptr,  # [num_reqs, num_heads, num_splits] float32, base-2 scaled scores
+    partial_sum_ptr,  # [num_reqs, num_heads, num_splits] float32
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    split_tokens,
+    num_splits,
+    num_heads,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    HEADS_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # HEADS_PER_KV rounded up to a power of two, at least 16 (tl.dot)
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - row != 1:
+        return  # a request with no new token this step
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = split * split_tokens
+    if start >= seq_len:
+        return  # this split lies past the context: the reduce skips it
+    end = tl.minimum(seq_len, start + split_tokens)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head = kv_head * HEADS_PER_KV + offs_h  # [BLOCK_H]
+    h_valid = offs_h < HEADS_PER_KV
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_valid = offs_d < HEAD_SIZE
+    q_rows = row.to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=h_valid[:, None] & d_valid[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
+    block_table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        block = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+        slot = block.to(tl.int64) * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        partial = (req * num_heads + head) * num_splits + split  # [BLOCK_H]
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=h_valid[:, None])
+        tl.store(partial_max_ptr + partial, m_i, mask=h_valid)
+        tl.store(partial_sum_ptr + partial, l_i, mask=h_valid)
+    else:
+        out_rows = row.to(tl.int64) * stride_o_tok + head * stride_o_head
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=h_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    split_tokens,
+    num_splits,
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+):
+    """out = sum_s w_s * acc_s / sum_s w_s * l_s over the splits that ran, w_s = 2^(m_s - max_s m_s)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_valid = (seq_len + split_tokens - 1) // split_tokens
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_valid = offs_s < num_valid
+    partial = (req * num_heads + head) * num_splits + offs_s  # [SPLITS_PAD]
+    m = tl.load(partial_max_ptr + partial, mask=s_valid, other=float("-inf"))
+    split_sum = tl.load(partial_sum_ptr + partial, mask=s_valid, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # 0 for splits that did not run
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_valid = offs_d < HEAD_SIZE
+    acc = tl.load(
+        partial_out_ptr + partial[:, None] * HEAD_PAD + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_PAD]
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(w * split_sum, 0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d, out, mask=d_valid)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter on CPU: any plausible count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+    """Split each context only as far as needed to give every SM about four programs."""
+    target = 4 * _num_sms(device)
+    max_splits = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
+    if num_programs >= target or max_splits <= 1:
+        return 1
+    return min(max_splits, triton.cdiv(target, num_programs))
+
+
+def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, position, head) strides of one half of the cache, [num_blocks, block_size, nkv, hd]."""
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 exactly; other dtypes ignore it
+
+
+def _unified_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> None:
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    heads_per_kv = num_heads // num_kv_heads
+    num_reqs = seq_lens.shape[0]
+    block_m = max(64, triton.next_power_of_2(heads_per_kv))
+    block_q = block_m // heads_per_kv
+    head_pad = triton.next_power_of_2(head_size)
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        out,
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        *_cache_strides(kv_cache[0]),
+        HEADS_PER_KV=heads_per_kv,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_pad <= 128 else 32,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def _decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int,
+) -> None:
+    num_heads, head_size = query.shape[1:]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    heads_per_kv = num_heads // num_kv_heads
+    num_reqs = seq_lens.shape[0]
+    head_pad = triton.next_power_of_2(head_size)
+    block_n = 64 if head_pad <= 128 else 32
+    if num_splits <= 0:
+        num_splits = choose_num_splits(num_reqs * num_kv_heads, max_seq_len, query.device)
+    # Whole BLOCK_N tiles per split; a single split covers any context, whatever max_seq_len says.
+    split_tokens = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_seq_len, 1), split_tokens)
+    if num_splits == 1:
+        split_tokens = 2**30
+    partials = [query.new_empty(0, dtype=torch.float32)] * 3
+    if num_splits > 1:
+        partials = [
+            query.new_empty(num_reqs, num_heads, num_splits, head_pad, dtype=torch.float32),
+            query.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32),
+            query.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32),
+        ]
+    _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+        out,
+        *partials,
+        query,
+        kv_cache[0],
+        kv_cache[1],
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        split_tokens,
+        num_splits,
+        num_heads,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        *_cache_strides(kv_cache[0]),
+        HEADS_PER_KV=heads_per_kv,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)),
+        BLOCK_N=block_n,
+        SPLIT=num_splits > 1,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_reqs, num_heads)](
+            out,
+            *partials,
+            seq_lens,
+            query_start_loc,
+            split_tokens,
+            num_splits,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+
+
+def triton_paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int = 0,
+) -> None:
+    """The compiled op `paged_attention`: out [num_tokens, num_heads, head_size] (rows past the
+    batch are left alone); kv_cache [2, num_blocks, block_size, num_kv_heads, head_size]; int32
+    query_start_loc [num_reqs + 1], seq_lens [num_reqs], block_tables [num_reqs, max_blocks].
+    Decode-only batches (max_query_len == 1) take the split-K decode kernel, others the
+    unified one; num_splits applies to the former (0: choose)."""
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return
+    if max_query_len == 1:
+        _decode_attention(out, query, kv_cache, query_start_loc, seq_lens, block_tables, max_seq_len, scale, num_splits)
+    else:
+        _unified_attention(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale)

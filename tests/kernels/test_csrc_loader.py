@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from shoal import envs
+from shoal.kernels import _C, build
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """A loader that has not run yet, looking for the library in tmp_path."""
+    monkeypatch.setattr(_C, "_loaded", None)
+    monkeypatch.setattr(_C, "library_path", lambda: tmp_path / "_C.so")
+    monkeypatch.setattr(envs, "SHOAL_DISABLE_CSRC", False)
+    return tmp_path
+
+
+def _fallback_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "CUDA ops not loaded" in r.getMessage()]
+
+
+def test_missing_library_falls_back_with_one_info_line(fresh_loader, caplog):
+    with caplog.at_level(logging.INFO, logger="shoal"):
+        assert _C.load() is False
+        assert _C.load() is False  # cached: no second line
+    lines = _fallback_lines(caplog)
+    assert len(lines) == 1 and "not built" in lines[0]
+
+
+def test_library_for_another_torch_is_not_loaded(fresh_loader, monkeypatch, caplog):
+    library = fresh_loader / "_C.so"
+    library.write_bytes(b"not a real library")
+    _C.stamp_path(library).write_text(json.dumps({"torch_version": "0.0.1"}))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # as on a GPU machine
+    with caplog.at_level(logging.INFO, logger="shoal"):
+        assert _C.load() is False
+    assert "built for torch 0.0.1" in _fallback_lines(caplog)[0]
+
+
+def test_disabled_by_the_environment(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setattr(envs, "SHOAL_DISABLE_CSRC", True)
+    with caplog.at_level(logging.INFO, logger="shoal"):
+        assert _C.load() is False
+    assert "SHOAL_DISABLE_CSRC" in _fallback_lines(caplog)[0]
+
+
+def test_fingerprint_follows_sources_and_architectures():
+    assert build.fingerprint("90a") == build.fingerprint("90a")
+    assert build.fingerprint("90a") != build.fingerprint("90a;100a")
+
+
+def test_build_reuses_a_cached_library(monkeypatch, tmp_path):
+    """A library in the build directory with the current fingerprint is installed, not rebuilt."""
+    target = tmp_path / "pkg" / "_C.so"
+    target.parent.mkdir()
+    cached = tmp_path / "build" / "out" / "_C.so"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"library")
+    _C.stamp_path(cached).write_text(json.dumps({"fingerprint": build.fingerprint("90a"), "torch_version": "x"}))
+    monkeypatch.setattr(build, "library_path", lambda: target)
+    monkeypatch.setattr(build, "_run", lambda cmd: pytest.fail(f"should not run {cmd}"))
+    assert build.build(tmp_path / "build", "90a") == target
+    assert target.read_bytes() == b"library" and _C.read_stamp(target)["torch_version"] == "x"
+    assert build.build(tmp_path / "build", "90a") == target  # now current in place

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.kernels.triton import triton_available
+from tests.kernels.attention_cases import GPU_BATCHES, GPU_HEADS, run_compiled
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (CI); GPU machines test the kernels")
+def test_triton_paged_attention_under_the_interpreter():
+    """The Triton kernels on CPU tensors under TRITON_INTERPRET=1, in a fresh process (the
+    interpreter is picked when the kernels are decorated)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.triton_interpreter_check"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _triton_op():
+    from shoal.kernels.triton.paged_attention import triton_paged_attention
+
+    return triton_paged_attention
+
+
+# Every head layout in bf16, one in the other dtypes: each (layout, dtype) is a fresh Triton
+# compile, which dominates the GPU run's time.
+HEADS_AND_DTYPES = [(*heads, torch.bfloat16) for heads in GPU_HEADS] + [
+    (32, 8, torch.float32),
+    (32, 8, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", GPU_BATCHES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,dtype", HEADS_AND_DTYPES)
+def test_triton_paged_attention(batch, num_heads, num_kv_heads, dtype):
+    run_compiled(_triton_op(), batch, num_heads, num_kv_heads, 128, 16, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 80, 256])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_triton_paged_attention_head_and_block_sizes(head_size, block_size):
+    run_compiled(_triton_op(), GPU_BATCHES[2], 8, 2, head_size, block_size, torch.bfloat16)
+    run_compiled(_triton_op(), GPU_BATCHES[0], 8, 2, head_size, block_size, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 40])
+def test_triton_decode_forced_splits(num_splits):
+    run_compiled(_triton_op(), GPU_BATCHES[0], 32, 8, 128, 16, torch.float32, num_splits)
+
+
+@pytest.mark.gpu
+def test_triton_prefill_with_long_prefix():
+    """Prefix-cache hit: a few new tokens after thousands of cached ones, next to fresh prompts."""
+    run_compiled(_triton_op(), ([3, 64, 1, 200], [3000, 64, 513, 1200]), 32, 8, 128, 16, torch.bfloat16)

@@ -1,0 +1,78 @@
+"""Run the Triton paged-attention kernels under Triton's interpreter on CPU tensors and compare
+them with the reference; exits non-zero on a mismatch.
+
+    TRITON_INTERPRET=1 python -m tests.kernels.triton_interpreter_check
+
+test_triton_paged_attention.py runs this in a subprocess, because the interpreter is chosen when
+the kernels are decorated, at import. float32 and float16 only: the interpreter's tl.dot on
+bfloat16 multiplies the raw bits (bfloat16 is covered by the GPU test).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+from shoal.kernels.paged_attention import paged_attention_ref
+from tests.kernels.metadata_utils import make_paged_attention_inputs
+
+# (query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits)
+CASES = [
+    ([1, 1, 1], [9, 1, 30], 4, 2, 32, 4, torch.float32, 0),  # decode, one split each
+    ([1, 1, 1], [9, 1, 300], 4, 2, 32, 4, torch.float32, 3),  # decode, split-K and an empty split
+    ([1, 1], [100, 7], 6, 2, 64, 16, torch.float16, 2),  # decode, GQA 3, fp16
+    ([5], [5], 4, 4, 32, 1, torch.float32, 0),  # one prefill, block size 1
+    ([4, 3], [10, 3], 4, 1, 16, 4, torch.float32, 0),  # chunked prefill after a cached prefix, MQA
+    ([7, 1, 3, 1, 70], [7, 20, 19, 2, 90], 6, 2, 40, 16, torch.float32, 0),  # mixed; head size 40 padded
+    ([7, 1, 3, 1, 12], [7, 20, 19, 2, 12], 8, 2, 64, 16, torch.float16, 0),  # mixed, fp16
+    ([70, 1, 5, 0, 2], [90, 20, 5, 4, 40], 6, 2, 32, 4, torch.float32, 0),  # long request first, an empty one
+]
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """triton 3.6's interpreter turns 1-element arrays into ints with int(array), which NumPy 2.4
+    rejects (triton-lang/triton#9171); squeeze first, as the upstream fix does."""
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4):
+        return
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    _patch_interpreter_for_numpy_2_4()
+    from shoal.kernels.triton.paged_attention import triton_paged_attention
+
+    failures = 0
+    for query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits in CASES:
+        query, kv_cache, md = make_paged_attention_inputs(
+            query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype
+        )
+        scale = head_size**-0.5
+        expected = paged_attention_ref(query, kv_cache, md, scale).float()
+        out = torch.full_like(query, float("nan"))
+        triton_paged_attention(
+            out, query, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+            md.max_query_len, md.max_seq_len, scale, num_splits,
+        )  # fmt: skip
+        error = (out.float() - expected).abs().max().item()
+        tol = 1e-5 if dtype == torch.float32 else 5e-3
+        ok = error <= tol
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} q={query_lens} s={seq_lens} heads={num_heads}/{num_kv_heads} "
+              f"hd={head_size} bs={block_size} {dtype} splits={num_splits}: max error {error:.2e}")  # fmt: skip
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
