@@ -64,7 +64,7 @@ template <typename T, int N>
 __global__ void tensor_quant_kernel(uint8_t* __restrict__ out, const T* __restrict__ x, RowLayout layout, int cols,
                                     const float* __restrict__ scale_or_amax, float* __restrict__ scale_out,
                                     bool dynamic) {
-  const float scale = dynamic ? fmaxf(__fdiv_rn(*scale_or_amax, kFp8Max), kMinScale) : *scale_or_amax;
+  const float scale = dynamic ? fmaxf(*scale_or_amax / kFp8Max, kMinScale) : *scale_or_amax;
   if (dynamic && blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
   quantize_row<T, N>(out + static_cast<int64_t>(blockIdx.x) * cols, x + layout.offset(blockIdx.x), cols, scale);
 }
@@ -74,7 +74,7 @@ __global__ void token_quant_kernel(uint8_t* __restrict__ out, const T* __restric
                                    float* __restrict__ scales) {
   __shared__ float scratch[32];
   const T* row = x + layout.offset(blockIdx.x);
-  const float scale = fmaxf(__fdiv_rn(block_max(row_amax<T, N>(row, cols), scratch), kFp8Max), kMinScale);
+  const float scale = fmaxf(block_max(row_amax<T, N>(row, cols), scratch) / kFp8Max, kMinScale);
   if (threadIdx.x == 0) scales[blockIdx.x] = scale;
   quantize_row<T, N>(out + static_cast<int64_t>(blockIdx.x) * cols, row, cols, scale);  // row re-read from L1/L2
 }

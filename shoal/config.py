@@ -178,7 +178,7 @@ class EngineArgs:
                 "(max_position_embeddings in config.json)"
             )
         _require(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}")
-        _require(self.quantization in (None, "fp8"), "quantization must be None or 'fp8'")
+        quantization = _resolve_quantization(self.quantization, hf_config)
         return ModelConfig(
             model=model,
             tokenizer=self.tokenizer or model,
@@ -191,7 +191,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
-            quantization=self.quantization,
+            quantization=quantization,
         )
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
@@ -250,6 +250,15 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: Device) -> str:
     checkpoint = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "")
     checkpoint = checkpoint.replace("torch.", "")
     return checkpoint if checkpoint in ("float16", "bfloat16") else "bfloat16"
+
+
+def _resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
+    """"fp8" when asked for (float weights are quantized after loading) or when the checkpoint
+    stores fp8 weights (its `quantization_config`); any other checkpoint quantization is refused."""
+    _require(requested in (None, "fp8"), "quantization must be None or 'fp8'")
+    from shoal.layers.quantization.fp8_config import checkpoint_quantization
+
+    return checkpoint_quantization(hf_config) or requested
 
 
 def _load_hf_config(model: str) -> Any:

@@ -8,6 +8,11 @@ MLP or attention block is column-parallel then row-parallel, with one all-reduce
 
 Every parameter carries `weight_loader(param, loaded_weight[, shard_id])`, which copies this
 rank's shard of the full Hugging Face tensor into it.
+
+How the weight is stored and multiplied is the layer's `linear_method`
+(shoal/layers/quantization/): float by default, fp8 under an `Fp8Config` unless the config
+leaves the layer (by its checkpoint name, `prefix`) in float. The loader calls
+`process_weights_after_loading` once every checkpoint tensor is in.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shoal.distributed.parallel_state import get_tp_group
+from shoal.layers.quantization.base import LinearMethod, UnquantizedLinearMethod
+from shoal.layers.quantization.fp8 import Fp8LinearMethod
+from shoal.layers.quantization.fp8_config import Fp8Config
 from shoal.layers.weight_utils import (
     LoadedWeight,
     copy_weight,
@@ -37,22 +44,48 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     return numerator // denominator
 
 
+def get_linear_method(quant_config: Fp8Config | None, prefix: str) -> LinearMethod:
+    """The linear method of the layer named `prefix` (its parameter-name prefix, e.g.
+    "model.layers.0.mlp.down_proj") under `quant_config`."""
+    if quant_config is None or quant_config.is_layer_skipped(prefix):
+        return UnquantizedLinearMethod()
+    return Fp8LinearMethod(quant_config)
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b with this rank's [output_size, input_size] weight (sizes per rank)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, weight_loader=default_weight_loader):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        weight_loader=default_weight_loader,
+        *,
+        quant_config: Fp8Config | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.input_size, self.output_size = input_size, output_size
-        self.weight = new_parameter(output_size, input_size, weight_loader=weight_loader)
+        self.linear_method = get_linear_method(quant_config, prefix)
+        self.linear_method.create_weights(self, weight_loader)
         self.bias = new_parameter(output_size, weight_loader=weight_loader) if bias else None
 
+    def checkpoint_output_size(self, shard_id: str | int | None = None) -> int:
+        """Rows of the checkpoint tensor that `weight_loader(param, loaded[, shard_id])` takes."""
+        return self.output_size
+
+    def process_weights_after_loading(self) -> None:
+        self.linear_method.process_weights_after_loading(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}"
+        method = type(self.linear_method).__name__
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}, {method}"
 
 
 class ReplicatedLinear(LinearBase):
@@ -62,17 +95,32 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; `gather_output` all-gathers the full output."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        *,
+        quant_config: Fp8Config | None = None,
+        prefix: str = "",
+    ):
         tp_size = get_tp_group().world_size
-        super().__init__(input_size, divide(output_size, tp_size, "output size"), bias, self.weight_loader)
+        output_size_per_rank = divide(output_size, tp_size, "output size")
+        super().__init__(
+            input_size, output_size_per_rank, bias, self.weight_loader, quant_config=quant_config, prefix=prefix
+        )
         self.gather_output = gather_output
+
+    def checkpoint_output_size(self, shard_id: str | int | None = None) -> int:
+        return self.output_size * self.tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         shard_size = param.shape[0]
         copy_weight(param.data, narrow_weight(loaded, 0, self.tp_rank * shard_size, shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [num_tokens, output_size / tp]
+        y = self.linear_method.apply(self, x, self.bias)  # [num_tokens, output_size / tp]
         return get_tp_group().all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -80,10 +128,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel layers with the same input fused into one matmul (e.g. the MLP's
     gate and up projections). Rank r's weight is [shard r of output 0; shard r of output 1; ...]."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        *,
+        quant_config: Fp8Config | None = None,
+        prefix: str = "",
+    ):
         tp_size = get_tp_group().world_size
         self.output_sizes = [divide(size, tp_size, "output size") * tp_size for size in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quant_config=quant_config, prefix=prefix)
+
+    def checkpoint_output_size(self, shard_id: str | int | None = None) -> int:
+        return sum(self.output_sizes) if shard_id is None else self.output_sizes[int(shard_id)]
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: int | None = None) -> None:
         if shard_id is None:  # a checkpoint that stores the fused tensor
@@ -113,6 +172,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int | None = None,
         bias: bool = True,
+        *,
+        quant_config: Fp8Config | None = None,
+        prefix: str = "",
     ):
         tp_size = get_tp_group().world_size
         total_num_kv_heads = total_num_kv_heads or total_num_heads
@@ -126,7 +188,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
             self.num_kv_head_replicas = 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
-        super().__init__(hidden_size, output_size, bias)
+        super().__init__(hidden_size, output_size, bias, quant_config=quant_config, prefix=prefix)
 
     @property
     def q_size(self) -> int:
@@ -135,6 +197,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
+
+    def checkpoint_output_size(self, shard_id: str | int | None = None) -> int:
+        q_total = self.total_num_heads * self.head_size
+        kv_total = self.total_num_kv_heads * self.head_size
+        return {None: q_total + 2 * kv_total, "q": q_total, "k": kv_total, "v": kv_total}[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None) -> None:
         if shard_id is None:  # a checkpoint that stores the fused tensor
@@ -171,9 +238,15 @@ class RowParallelLinear(LinearBase):
         bias: bool = True,
         input_is_parallel: bool = True,
         reduce_results: bool = True,
+        *,
+        quant_config: Fp8Config | None = None,
+        prefix: str = "",
     ):
         tp_size = get_tp_group().world_size
-        super().__init__(divide(input_size, tp_size, "input size"), output_size, bias, self.weight_loader)
+        input_size_per_rank = divide(input_size, tp_size, "input size")
+        super().__init__(
+            input_size_per_rank, output_size, bias, self.weight_loader, quant_config=quant_config, prefix=prefix
+        )
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
 
@@ -188,5 +261,5 @@ class RowParallelLinear(LinearBase):
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp_rank * self.input_size, self.input_size)  # [num_tokens, input_size / tp]
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)  # [num_tokens, output_size], partial sum over ranks
+        y = self.linear_method.apply(self, x, bias)  # [num_tokens, output_size], partial sum over ranks
         return get_tp_group().all_reduce(y) if self.reduce_results else y

@@ -29,6 +29,7 @@ from shoal.layers.attention import Attention
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.layers.layernorm import RMSNorm
 from shoal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shoal.layers.quantization.fp8_config import Fp8Config
 from shoal.layers.rotary import RotaryEmbedding, get_rope, rope_params_from_config
 from shoal.layers.weight_utils import default_weight_loader
 from shoal.models.utils import head_dim_of, layer_index, warn_if_sliding_window
@@ -50,12 +51,24 @@ STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
 class LlamaMLP(nn.Module):
     """SwiGLU MLP (Shazeer, 2020): down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        hidden_act: str,
+        quant_config: Fp8Config | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         if hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={hidden_act!r} is not supported (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +78,9 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with RoPE; subclasses change the biases or add a q/k norm."""
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding):
+    def __init__(
+        self, config: Any, rotary_emb: RotaryEmbedding, quant_config: Fp8Config | None = None, prefix: str = ""
+    ):
         super().__init__()
         self.head_dim = head_dim_of(config)
         qkv_bias, o_bias = self.biases(config)
@@ -75,8 +90,16 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.head_dim**-0.5, self.qkv_proj.num_kv_heads)
@@ -105,11 +128,25 @@ def _add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, attention_cls: type[LlamaAttention]):
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: RotaryEmbedding,
+        attention_cls: type[LlamaAttention],
+        quant_config: Fp8Config | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
-        self.self_attn = attention_cls(config, rotary_emb)
+        self.self_attn = attention_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.self_attn")
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias, config.hidden_act)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            mlp_bias,
+            config.hidden_act,
+            quant_config,
+            prefix=f"{prefix}.mlp",
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -134,6 +171,7 @@ class LlamaModel(nn.Module):
         config: Any,
         attention_cls: type[LlamaAttention],
         pipeline_layer_partition: tuple[int, ...] | None = None,
+        quant_config: Fp8Config | None = None,
     ):
         super().__init__()
         warn_if_sliding_window(config)
@@ -148,7 +186,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_params_from_config(config))
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(config, self.rotary_emb, attention_cls)
+                str(i): LlamaDecoderLayer(config, self.rotary_emb, attention_cls, quant_config, f"model.layers.{i}")
                 for i in range(self.start_layer, self.end_layer)
             }
         )
@@ -175,23 +213,24 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model runner's interface: forward, compute_logits, load_weights, attention_layers."""
+    """The model runner's interface: forward, compute_logits, load_weights, attention_layers.
+
+    With `quant_config` the decoder's linear layers are fp8; the embedding, the norms and the
+    LM head stay in the model's dtype."""
 
     attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(
         self,
         hf_config: Any,
-        quant_config: Any = None,
+        quant_config: Fp8Config | None = None,
         *,
         pipeline_layer_partition: tuple[int, ...] | None = None,
     ):
         super().__init__()
-        if quant_config is not None:
-            raise NotImplementedError(f"quantization {quant_config!r} is not supported by {type(self).__name__}")
         self.config = hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, self.attention_cls, pipeline_layer_partition)
+        self.model = LlamaModel(hf_config, self.attention_cls, pipeline_layer_partition, quant_config)
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
             if self.tie_word_embeddings and self.model.is_first_stage:

@@ -2,7 +2,10 @@
 from a Hugging Face safetensors folder (or with small random values for `load_format="dummy"`).
 
 Each checkpoint tensor is handed to `load_weights` as a lazy safetensors slice, so every
-parameter's `weight_loader` reads only its own rank's rows or columns from disk.
+parameter's `weight_loader` reads only its own rank's rows or columns from disk. Once all are
+in, every layer with a `process_weights_after_loading` hook (the linear layers) turns its
+loaded tensors into the form its forward uses: with `quantization="fp8"` that is where float
+weights are quantized, and fp8 weights transposed into the GEMM's column-major layout.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shoal.config import ModelConfig, ParallelConfig
+from shoal.layers.quantization.fp8_config import Fp8Config
 from shoal.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -34,23 +38,44 @@ def get_model(
     start = time.perf_counter()
     model_cls = resolve_model_class(model_config.architecture)
     partition = parallel_config.pipeline_layer_partition if parallel_config is not None else None
+    quant_config = get_quant_config(model_config)
     with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
-        model = model_cls(model_config.hf_config, pipeline_layer_partition=partition)
+        model = model_cls(model_config.hf_config, quant_config, pipeline_layer_partition=partition)
     with torch.no_grad():
         if model_config.load_format == "dummy":
             initialize_dummy_weights(model, model_config.seed)
         else:
-            loaded = model.load_weights(iterate_safetensors(model_config.model))
+            weights = iterate_safetensors(model_config.model)
+            if quant_config is not None:
+                weights = ((name, w) for name, w in weights if not quant_config.is_unused_tensor(name))
+            loaded = model.load_weights(weights)
             check_all_loaded(model, loaded)
+        process_weights_after_loading(model)
     logger.info(
-        "Loaded %s (%s, %s) on %s in %.2f s",
+        "Loaded %s (%s, %s%s) on %s in %.2f s",
         model_config.architecture,
         model_config.dtype,
         model_config.load_format,
+        ", fp8" if quant_config is not None else "",
         device,
         time.perf_counter() - start,
     )
     return model.eval()
+
+
+def get_quant_config(model_config: ModelConfig) -> Fp8Config | None:
+    """The fp8 scheme of the checkpoint, or on-the-fly fp8 for a float one; None unquantized."""
+    if model_config.quantization is None:
+        return None
+    return Fp8Config.from_hf_config(model_config.hf_config)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Call every module's post-loading hook (quantization, layout changes), once."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            hook()
 
 
 @contextmanager

@@ -10,13 +10,16 @@ from typing import Any
 import torch
 
 from shoal.layers.layernorm import RMSNorm
+from shoal.layers.quantization.fp8_config import Fp8Config
 from shoal.layers.rotary import RotaryEmbedding
 from shoal.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding):
-        super().__init__(config, rotary_emb)
+    def __init__(
+        self, config: Any, rotary_emb: RotaryEmbedding, quant_config: Fp8Config | None = None, prefix: str = ""
+    ):
+        super().__init__(config, rotary_emb, quant_config, prefix)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 

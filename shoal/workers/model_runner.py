@@ -5,6 +5,9 @@ Each step: apply the scheduler's diffs to the persistent `InputBatch`; gather th
 attention metadata; compute logits only where a token is sampled (or prompt logprobs are
 wanted); sample.
 
+On a GPU the inputs land in persistent device buffers (`StepBuffers`), and pure-decode steps
+replay CUDA graphs (`CudaGraphRunner`) unless `enforce_eager`.
+
 With pipeline parallelism a stage after the first receives the previous stage's hidden states
 and residual before its forward, and a stage before the last sends its own after; only the last
 stage computes logits and samples.
@@ -22,8 +25,10 @@ from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
 from shoal.engine_core.batch import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
+from shoal.workers.cuda_graphs import CudaGraphRunner
 from shoal.workers.input_batch import InputBatch, RequestState
 from shoal.workers.sampler import Sampler, build_sampling_metadata, logprobs_lists
+from shoal.workers.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +65,18 @@ class ModelRunner:
             max_blocks_per_req=-(-max_model_len // self.block_size),
             device=device,
         )
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        scheduler_config = config.scheduler_config
+        self.buffers = StepBuffers(
+            max_num_tokens=max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
+            max_num_reqs=scheduler_config.max_num_seqs,
+            max_blocks_per_req=self.max_blocks_per_req,
+            device=device,
+        )
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CudaGraphRunner | None = None
 
     @property
     def is_sampling_rank(self) -> bool:
@@ -94,6 +108,59 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs (GPU, one pipeline stage, unless enforce_eager)."""
+        if self.device.type != "cuda" or self.model_config.enforce_eager or get_pp_group().world_size > 1:
+            return
+        self.cuda_graphs = CudaGraphRunner(
+            self._model, self.buffers, self.config.scheduler_config.max_num_seqs, self.model_config.max_model_len
+        )
+        self.cuda_graphs.capture()
+
+    @torch.inference_mode()
+    def profile_available_kv_cache_memory(self) -> int:
+        """Run a dummy step of `max_num_batched_tokens` tokens (and the sampler over
+        `max_num_seqs` rows) to measure peak activation memory; returns the bytes left for the
+        KV cache (see `gpu_memory.py`)."""
+        from shoal.workers.gpu_memory import kv_cache_budget_bytes
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_step(self.config.scheduler_config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return kv_cache_budget_bytes(self.device, self.config.cache_config.gpu_memory_utilization, peak)
+
+    def _dummy_step(self, num_tokens: int) -> None:
+        """A forward over `num_tokens` prompt tokens that writes no KV (slots -1) and reads a
+        one-block scratch cache, then logits and a top-p sampler pass over up to max_num_seqs rows."""
+        max_len = self.model_config.max_model_len
+        query_lens = np.array([min(max_len, num_tokens - i) for i in range(0, num_tokens, max_len)])
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+        positions = np.concatenate([np.arange(n) for n in query_lens])
+        block_tables = np.zeros((len(query_lens), self.max_blocks_per_req), dtype=np.int32)
+        metadata = self._attention_metadata(
+            query_start_loc, query_lens, block_tables, np.full(num_tokens, -1, dtype=np.int64)
+        )
+        for layer in self._model.attention_layers():
+            layer.kv_cache = torch.zeros(
+                (2, 1, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=self.dtype, device=self.device
+            )
+        views = self.buffers.load(input_ids=np.zeros(num_tokens, dtype=np.int64), positions=positions)
+        with set_forward_context(metadata):
+            hidden_states = self._model(views["input_ids"], views["positions"])
+        if get_pp_group().is_last_rank:
+            num_rows = min(self.config.scheduler_config.max_num_seqs, num_tokens)
+            logits = self._model.compute_logits(hidden_states[:num_rows])
+            from shoal.sampling_params import SamplingParams
+            from shoal.workers.input_batch import RequestState
+
+            states = [RequestState(str(i), i, 1, SamplingParams(top_p=0.9), None, None) for i in range(num_rows)]
+            self.sampler(logits, build_sampling_metadata(states, logits.shape[-1], self.device))
+        for layer in self._model.attention_layers():
+            layer.kv_cache = None
+
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -102,9 +169,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
         inputs = self._prepare_inputs(scheduler_output)
-        intermediate_tensors = self._recv_intermediate_tensors(scheduler_output.total_num_scheduled_tokens)
-        with set_forward_context(inputs.attn_metadata):
-            hidden_states = self._model(inputs.input_ids, inputs.positions, intermediate_tensors)
+        hidden_states = self._forward(inputs)
         if not get_pp_group().is_last_rank:
             self._send_intermediate_tensors(hidden_states)
             return None
@@ -115,6 +180,18 @@ class ModelRunner:
             return None
         output.step_id = scheduler_output.step_id
         return output
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The model on this step's batch: a CUDA-graph replay for a captured decode size,
+        else an eager forward (receiving the previous pipeline stage's tensors first)."""
+        md = inputs.attn_metadata
+        if self.cuda_graphs is not None and md.is_decode_only:
+            size = self.cuda_graphs.padded_size(md.num_reqs)
+            if size is not None:
+                return self.cuda_graphs.replay(md.num_reqs, size)
+        intermediate_tensors = self._recv_intermediate_tensors(md.num_tokens)
+        with set_forward_context(md):
+            return self._model(inputs.input_ids, inputs.positions, intermediate_tensors)
 
     def _recv_intermediate_tensors(self, num_tokens: int) -> dict[str, torch.Tensor] | None:
         """The previous pipeline stage's {"hidden_states", "residual"}, each [num_tokens,
@@ -153,15 +230,15 @@ class ModelRunner:
         block_ids = batch.block_table[token_slots, positions // self.block_size]
         slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = start + num_scheduled  # [num_reqs] context length after this step
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
-        block_tables = batch.block_table[slots, :max_blocks]
+        block_tables = batch.block_table[slots]  # full rows: the device buffer's stride is fixed
 
         samples = seq_lens >= batch.num_tokens[slots]  # this step completes the known tokens
         attn_metadata = self._attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping)
+        views = self.buffers.load(input_ids=input_ids, positions=positions)
         return StepInputs(
             req_ids=req_ids,
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
+            input_ids=views["input_ids"],
+            positions=views["positions"],
             attn_metadata=attn_metadata,
             sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
             logits_indices=query_start_loc[1:][samples] - 1,
@@ -176,19 +253,23 @@ class ModelRunner:
         slot_mapping: np.ndarray,
     ) -> AttentionMetadata:
         query_lens = np.diff(query_start_loc)
-        query_start_loc_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        views = self.buffers.load(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+        )
         return AttentionMetadata(
             num_reqs=len(seq_lens),
             num_tokens=int(query_start_loc[-1]),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=query_start_loc_cpu.to(self.device, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(self.device, non_blocking=True),
-            block_tables=self._to_device(np.ascontiguousarray(block_tables)),
-            slot_mapping=self._to_device(slot_mapping),
-            query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens_cpu=seq_lens_cpu,
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=views["block_tables"],
+            slot_mapping=views["slot_mapping"],
+            query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
             is_decode_only=bool((query_lens == 1).all()),
         )
 
@@ -216,7 +297,10 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, LogprobsLists] = {}
         if states:
-            logits = model.compute_logits(hidden_states[self._to_device(inputs.logits_indices)])
+            if len(states) == hidden_states.shape[0]:  # every row samples (a decode): no gather
+                logits = model.compute_logits(hidden_states)
+            else:
+                logits = model.compute_logits(hidden_states[self._to_device(inputs.logits_indices)])
             metadata = build_sampling_metadata(states, logits.shape[-1], self.device)
             result = self.sampler(logits, metadata)
             token_ids = result.sampled_token_ids.tolist()  # the one host sync of the step

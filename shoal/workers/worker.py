@@ -64,10 +64,11 @@ class Worker:
         """How many KV blocks fit in this worker's budget (CPU: a fixed byte budget; GPU:
         profiled from the memory left after weights and peak activations)."""
         block_bytes = self.runner.kv_cache_block_bytes()
+        configured = self.config.cache_config.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            available = self.runner.profile_available_kv_cache_memory()
+            available = configured or self.runner.profile_available_kv_cache_memory()
         else:
-            available = self.config.cache_config.kv_cache_memory_bytes or _CPU_KV_CACHE_BYTES
+            available = configured or _CPU_KV_CACHE_BYTES
             available = min(available, self._cpu_kv_bytes_needed(block_bytes))
         num_blocks = available // block_bytes
         logger.info(
@@ -85,7 +86,9 @@ class Worker:
         return block_bytes * blocks_per_seq * self.config.scheduler_config.max_num_seqs
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode CUDA graphs (GPU) over it."""
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
 
     # ---- steps and calls -------------------------------------------------------------------
 

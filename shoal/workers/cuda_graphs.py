@@ -1,0 +1,113 @@
+"""`CudaGraphRunner`: decode steps replayed from CUDA graphs.
+
+A decode step launches a few hundred small kernels; on a GPU their launch cost, not the work,
+would bound small batches. So the model forward of a pure-decode batch is captured once per
+padded batch size (1, 2, 4, 8, then steps of 8 up to `max_num_seqs`) and replayed: one launch.
+Graphs read their inputs from the fixed `StepBuffers`; a batch of n requests runs the graph of
+the smallest captured size >= n, its extra rows padded so that they write nowhere (slot -1) and
+attend to one cached token. Prefill and mixed batches run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from shoal.forward_context import AttentionMetadata, set_forward_context
+from shoal.workers.step_buffers import StepBuffers
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
+    sizes += list(range(8, max_num_seqs + 1, 8))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buffers: StepBuffers,
+        max_num_seqs: int,
+        max_seq_len: int,
+    ) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.sizes = capture_sizes(max_num_seqs)
+        # Kernels size their grids from max_seq_len when captured; the longest context keeps
+        # every later replay inside the grid.
+        self.max_seq_len = max_seq_len
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The captured batch size a decode of `num_reqs` requests runs at, if any."""
+        index = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[index] if index < len(self.sizes) else None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first: smaller graphs then fit in the memory the largest one reserved.
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", dynamic_ncols=True):
+            self._pad(0, size)
+            metadata = self.metadata(size)
+            with set_forward_context(metadata):
+                self._forward(size)  # warm up: autotuning and lazy initialization run outside capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("Captured %d CUDA graphs (batch sizes 1..%d) in %.1f s", len(self.graphs), self.sizes[-1],
+                    time.perf_counter() - start)
+
+    def replay(self, num_reqs: int, size: int) -> torch.Tensor:
+        """Run the decode already loaded into the buffers for `num_reqs` requests; returns the
+        hidden states of those requests."""
+        if num_reqs < size:
+            self._pad(num_reqs, size)
+        self.graphs[size].replay()
+        return self.outputs[size][:num_reqs]
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The attention metadata a captured graph of `size` decodes sees: views of the buffers."""
+        b = self.buffers
+        return AttentionMetadata(
+            num_reqs=size,
+            num_tokens=size,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_start_loc=b["query_start_loc"][: size + 1],
+            seq_lens=b["seq_lens"][:size],
+            block_tables=b["block_tables"][:size],
+            slot_mapping=b["slot_mapping"][:size],
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.ones(size, dtype=torch.int32),
+            is_decode_only=True,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.buffers["input_ids"][:size], self.buffers["positions"][:size])
+
+    def _pad(self, num_reqs: int, size: int) -> None:
+        """Rows num_reqs..size of a padded decode: token 0 at position 0, written nowhere,
+        attending to one token of block 0 (finite values; the rows are discarded)."""
+        b = self.buffers
+        b["input_ids"][num_reqs:size].zero_()
+        b["positions"][num_reqs:size].zero_()
+        b["slot_mapping"][num_reqs:size].fill_(-1)
+        b["seq_lens"][num_reqs:size].fill_(1)
+        b["block_tables"][num_reqs:size].zero_()
+        torch.arange(num_reqs, size + 1, out=b["query_start_loc"][num_reqs : size + 1])
+
