@@ -31,9 +31,13 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._num_sent_chars = 0
         self._stream = _make_stream(tokenizer, prompt_token_ids, params.skip_special_tokens)
-        # The slow-tokenizer path: every output token and their whole decoded text.
+        # The slow-tokenizer path: the last prompt tokens (for the spacing of the first output
+        # token) and every output token, and the whole decoded text of those.
         self._token_ids: list[int] = []
         self._decoded = ""
+        if self._stream is None:
+            self._token_ids = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
+            self._decoded = self._decode(self._token_ids)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Add new tokens' text; return the stop string that ended the text, if one did.
@@ -54,11 +58,14 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             return self._stream.step(self.tokenizer._tokenizer, token_id) or ""
         self._token_ids.append(token_id)
-        text = self.tokenizer.decode(self._token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        text = self._decode(self._token_ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         delta, self._decoded = text[len(self._decoded) :], text
         return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _find_stop(self, old_len: int) -> str | None:
         if not self._stop:

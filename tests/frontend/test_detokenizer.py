@@ -90,3 +90,36 @@ def test_stop_token_text_is_left_out_unless_asked(demo_tokenizer: Any) -> None:
         detok = IncrementalDetokenizer(demo_tokenizer, [1], SamplingParams(include_stop_str_in_output=include))
         detok.update(words, stop_terminated=True)
         assert detok.output_text == expected
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer(tmp_path_factory) -> Any:
+    """Mistral-7B's SentencePiece tokenizer (Llama-2 style, '▁' spacing, byte fallback), from the
+    mistral-common package."""
+    import importlib.util
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("mistral_common")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps mistral-common"
+    folder = tmp_path_factory.mktemp("spm")
+    shutil.copy(f"{next(iter(spec.submodule_search_locations))}/data/tokenizer.model.v1", folder / "tokenizer.model")
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+@pytest.mark.parametrize("text", TEXTS)
+def test_sentencepiece_continuation_spacing(sentencepiece_tokenizer: Any, text: str, slow: bool) -> None:
+    """A continuation keeps the space that SentencePiece marks with '▁' on its first token:
+    the streamed text is exactly what decoding prompt + output adds to the prompt's text."""
+    tokenizer = sentencepiece_tokenizer
+    prompt = tokenizer.encode("Say something:")
+    output = tokenizer.encode(" " + text, add_special_tokens=False)
+    whole = tokenizer.decode(prompt + output, skip_special_tokens=True)
+    expected = whole[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
+    detok = stream(SlowTokenizer(tokenizer) if slow else tokenizer, prompt, output, SamplingParams())
+    assert detok.output_text == expected
