@@ -1,4 +1,5 @@
-"""The `shoal` command: `shoal serve [MODEL] [--host ...] [--port ...] [engine arguments]`.
+"""The `shoal` command: `shoal serve [MODEL] [--host ...] [--port ...] [engine arguments]` and
+`shoal bench {throughput,latency,serve} [...]`.
 
 Every engine argument is a flag generated from the `EngineArgs` dataclass (`max_model_len` →
 `--max-model-len`, booleans as `--x/--no-x`), so a new engine argument is a new flag with no
@@ -200,7 +201,30 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser]
+# ---- shoal bench -------------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    """`shoal bench {throughput,latency,serve}`: each benchmark module adds its own parser."""
+    from shoal.bench import latency, serve, throughput
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark offline throughput, batch latency or a running server",
+        description="Benchmarks: offline throughput, batch latency, and online serving against `shoal serve`.",
+    )
+    benchmarks = parser.add_subparsers(title="benchmarks", metavar="BENCHMARK")
+    for module in (throughput, latency, serve):
+        module.add_parser(benchmarks)
+    parser.set_defaults(handler=lambda args, _: _print_help(parser))
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_bench_parser]
 
 
 if __name__ == "__main__":

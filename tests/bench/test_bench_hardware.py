@@ -1,0 +1,116 @@
+"""The hardware-bound model: shapes from configs, the workload as steps, and the bound, on cases
+small enough to check by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shoal.bench.hardware import (
+    DeviceCeilings,
+    ModelShape,
+    StepLoad,
+    measure_ceilings,
+    prefill_piece_pairs,
+    simulate_steps,
+    workload_bound,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+# A made-up model and device with round numbers.
+SHAPE = ModelShape(
+    num_layers=2,
+    num_heads=4,
+    head_dim=8,
+    layer_params=1000,
+    embed_params=500,
+    lm_head_params=500,
+    tied_embeddings=False,
+    weight_bytes=3000,
+    kv_bytes_per_token=64,
+)
+CEILINGS = DeviceCeilings(
+    "cpu", "test", copy_bytes_per_s=1000.0, gemm_flops_per_s=1e6, gemm_dtype="float32", gemm_size=1
+)
+
+
+def test_one_prompt_then_one_decode_step_by_hand() -> None:
+    steps = simulate_steps([9], [2], max_num_seqs=8, max_num_batched_tokens=16)
+    assert steps == [StepLoad(9, 1, 9, 45, True), StepLoad(1, 1, 10, 10, False)]
+    bound = workload_bound(SHAPE, CEILINGS, steps)
+    # Prefill: weights 3000 B + KV (9 read + 9 written) × 64 B = 4152 B → 4.152 s; its flops
+    # (2·1000·9 + 2·500·1 + 4·2·4·8·45 = 30,520) take 0.03 s.
+    assert bound.prefill_s == pytest.approx(4.152)
+    # Decode: weights 3000 B + KV (10 read + 1 written) × 64 B = 3704 B → 3.704 s.
+    assert bound.decode_s == pytest.approx(3.704)
+    assert bound.bound_s == pytest.approx(7.856)
+    assert bound.num_steps == 2 and bound.num_memory_bound_steps == 2
+    assert bound.total_flops == 2 * 1000 * 9 + 2 * 500 + 256 * 45 + 2 * 1000 + 2 * 500 + 256 * 10
+
+
+def test_compute_bound_step() -> None:
+    slow_gemm = DeviceCeilings(
+        "cpu", "test", copy_bytes_per_s=1e12, gemm_flops_per_s=1000.0, gemm_dtype="float32", gemm_size=1
+    )
+    bound = workload_bound(SHAPE, slow_gemm, [StepLoad(1, 1, 10, 10, False)])
+    assert bound.bound_s == pytest.approx((2 * 1000 + 2 * 500 + 256 * 10) / 1000.0)
+    assert bound.num_memory_bound_steps == 0
+    half = workload_bound(SHAPE, slow_gemm, [StepLoad(1, 1, 10, 10, False)], tensor_parallel_size=2)
+    assert half.bound_s == pytest.approx(bound.bound_s / 2)
+
+
+def test_prefill_is_chunked_by_the_token_budget() -> None:
+    steps = simulate_steps([5, 7], [1, 1], max_num_seqs=8, max_num_batched_tokens=4)
+    # Step 1: prompt 0 tokens [0, 4). Step 2: prompt 0 [4, 5) and prompt 1 [0, 3). Step 3: prompt 1 [3, 7).
+    assert [s.num_tokens for s in steps] == [4, 4, 4]
+    assert [s.num_sampled for s in steps] == [0, 1, 1]
+    assert [s.kv_read_tokens for s in steps] == [4, 5 + 3, 7]
+    assert [s.attention_pairs for s in steps] == [10, prefill_piece_pairs(4, 1) + 6, prefill_piece_pairs(3, 4)]
+    assert prefill_piece_pairs(4, 1) == 5 and prefill_piece_pairs(3, 4) == 22
+    assert all(s.is_prefill for s in steps)
+
+
+def test_decode_batch_shrinks_and_waits_for_room() -> None:
+    steps = simulate_steps([4, 4, 4], [3, 2, 4], max_num_seqs=2, max_num_batched_tokens=64)
+    decode = [s for s in steps if not s.is_prefill]
+    # Requests decode 2, 1 and 3 tokens; the third starts once the second finishes.
+    assert [s.num_tokens for s in decode] == [2, 2, 1, 1]
+    assert sum(s.num_tokens for s in decode) == (3 - 1) + (2 - 1) + (4 - 1)
+    # Step 1: contexts 5 + 5; step 2: 6 + 5 (request 2 joins); steps 3, 4: 6, 7.
+    assert [s.kv_read_tokens for s in decode] == [10, 11, 6, 7]
+
+
+def test_shapes_match_transformers(tiny_checkpoints: dict[str, Path]) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for kind in ("llama", "qwen2", "qwen3", "llama_odd_vocab"):
+        config = AutoConfig.from_pretrained(tiny_checkpoints[kind])
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        shape = ModelShape.from_hf_config(config, "float32")
+        assert shape.num_params == model.num_parameters(), kind
+
+
+@pytest.mark.parametrize(
+    ("name", "num_params", "kv_kib_per_token"),
+    [("llama-3.1-8b", 8_030_261_248, 128), ("qwen3-0.6b", 596_049_920, 112), ("qwen3-8b", 8_190_735_360, 144)],
+)
+def test_shipped_configs(name: str, num_params: int, kv_kib_per_token: int) -> None:
+    from shoal.config import EngineArgs
+
+    config = EngineArgs(
+        model=str(CONFIGS / name), load_format="dummy", device="cpu", dtype="bfloat16"
+    ).create_engine_config()
+    shape = ModelShape.from_hf_config(config.model_config.hf_config, "bfloat16")
+    assert shape.num_params == num_params
+    assert shape.kv_bytes_per_token == kv_kib_per_token * 1024
+    assert not (CONFIGS / name / "model.safetensors").exists()
+
+
+def test_measure_ceilings_on_cpu() -> None:
+    ceilings = measure_ceilings("cpu", "float32", copy_bytes=8 << 20, gemm_size=256)
+    assert ceilings.copy_bytes_per_s > 1e8 and ceilings.gemm_flops_per_s > 1e7
+    assert (ceilings.device, ceilings.gemm_dtype, ceilings.gemm_size) == ("cpu", "float32", 256)
