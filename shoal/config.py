@@ -253,8 +253,9 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: Device) -> str:
 
 
 def _resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
-    """"fp8" when asked for (float weights are quantized after loading) or when the checkpoint
-    stores fp8 weights (its `quantization_config`); any other checkpoint quantization is refused."""
+    """The quantization to run: fp8 when asked for (float weights are quantized after loading) or
+    when the checkpoint stores fp8 weights (its `quantization_config`); any other checkpoint
+    quantization is refused."""
     _require(requested in (None, "fp8"), "quantization must be None or 'fp8'")
     from shoal.layers.quantization.fp8_config import checkpoint_quantization
 

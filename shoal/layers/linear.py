@@ -85,7 +85,9 @@ class LinearBase(nn.Module):
 
     def extra_repr(self) -> str:
         method = type(self.linear_method).__name__
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}, {method}"
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}, {method}"
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -201,7 +203,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def checkpoint_output_size(self, shard_id: str | int | None = None) -> int:
         q_total = self.total_num_heads * self.head_size
         kv_total = self.total_num_kv_heads * self.head_size
-        return {None: q_total + 2 * kv_total, "q": q_total, "k": kv_total, "v": kv_total}[shard_id]
+        sizes: dict[str | int | None, int] = {None: q_total + 2 * kv_total, "q": q_total, "k": kv_total, "v": kv_total}
+        return sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None) -> None:
         if shard_id is None:  # a checkpoint that stores the fused tensor

@@ -69,8 +69,12 @@ class CudaGraphRunner:
                     self.outputs[size] = self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("Captured %d CUDA graphs (batch sizes 1..%d) in %.1f s", len(self.graphs), self.sizes[-1],
-                    time.perf_counter() - start)
+        logger.info(
+            "Captured %d CUDA graphs (batch sizes 1..%d) in %.1f s",
+            len(self.graphs),
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
 
     def replay(self, num_reqs: int, size: int) -> torch.Tensor:
         """Run the decode already loaded into the buffers for `num_reqs` requests; returns the
@@ -110,4 +114,3 @@ class CudaGraphRunner:
         b["seq_lens"][num_reqs:size].fill_(1)
         b["block_tables"][num_reqs:size].zero_()
         torch.arange(num_reqs, size + 1, out=b["query_start_loc"][num_reqs : size + 1])
-

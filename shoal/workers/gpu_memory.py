@@ -27,8 +27,7 @@ def kv_cache_budget_bytes(device: torch.device, gpu_memory_utilization: float, p
     # Never more than is actually free now (a co-tenant may hold more than our share).
     available = min(budget, free + torch.cuda.memory_reserved(device) - peak_torch_bytes - _SAFETY_MARGIN_BYTES)
     logger.info(
-        "GPU memory: total %.1f GiB, utilization %.2f, torch peak %.2f GiB, outside torch %.2f GiB "
-        "→ KV cache %.2f GiB",
+        "GPU memory: total %.1f GiB, utilization %.2f, torch peak %.2f GiB, outside torch %.2f GiB → KV cache %.2f GiB",
         total / 2**30,
         gpu_memory_utilization,
         peak_torch_bytes / 2**30,

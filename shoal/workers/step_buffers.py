@@ -24,7 +24,9 @@ class StepBuffers:
             "seq_lens": ((max_num_reqs,), torch.int32),
             "block_tables": ((max_num_reqs, max_blocks_per_req), torch.int32),
         }
-        self.device_tensors = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
+        self.device_tensors = {
+            name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()
+        }
         self.host_tensors = {
             name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()
         }

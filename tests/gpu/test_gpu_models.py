@@ -52,9 +52,16 @@ def test_1b_shaped_checkpoint_bf16_matches_hf(tmp_path_factory) -> None:
 
     path = tmp_path_factory.mktemp("llama-1b")
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
-        rope_theta=500000.0, tie_word_embeddings=True, initializer_range=0.05,
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.05,
     )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
@@ -62,13 +69,16 @@ def test_1b_shaped_checkpoint_bf16_matches_hf(tmp_path_factory) -> None:
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 31000, (8 + 5 * i,), generator=generator).tolist() for i in range(20)]
     llm = gpu_llm(str(path), dtype="bfloat16", max_model_len=512)
-    ours = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    ours = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
     equal = 0
     with torch.inference_mode():
         for prompt, output in zip(prompts, ours):
             ids = torch.tensor([prompt], device="cuda")
             ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-            equal += output.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+            equal += output.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
     print(f"1B bf16: {equal}/{len(prompts)} prompts equal for 16 tokens")
     assert equal >= 0.9 * len(prompts)

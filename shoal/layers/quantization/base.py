@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from shoal.layers.weight_utils import new_parameter
 
@@ -21,15 +20,16 @@ WeightLoader = Callable[..., None]
 
 
 class LinearMethod:
-    """How a linear layer stores its [output_size, input_size] weight (sizes per rank) and
-    applies it. `create_weights` runs in the layer's constructor, `process_weights_after_loading`
-    once after the checkpoint is loaded (shoal/models/loader.py), `apply` on every forward."""
+    """How a linear layer (`layer`, a LinearBase) stores its [output_size, input_size] weight
+    (sizes per rank) and applies it. `create_weights` runs in the layer's constructor,
+    `process_weights_after_loading` once after the checkpoint is loaded
+    (shoal/models/loader.py), `apply` on every forward."""
 
-    def create_weights(self, layer: nn.Module, weight_loader: WeightLoader) -> None:
+    def create_weights(self, layer: Any, weight_loader: WeightLoader) -> None:
         """Register `layer.weight` (and any scales), each with a `weight_loader`."""
         raise NotImplementedError
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         """Turn the loaded checkpoint tensors into the form `apply` uses."""
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -40,7 +40,7 @@ class LinearMethod:
 class UnquantizedLinearMethod(LinearMethod):
     """The weight in the model's dtype, applied with F.linear."""
 
-    def create_weights(self, layer: nn.Module, weight_loader: WeightLoader) -> None:
+    def create_weights(self, layer: Any, weight_loader: WeightLoader) -> None:
         layer.weight = new_parameter(layer.output_size, layer.input_size, weight_loader=weight_loader)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

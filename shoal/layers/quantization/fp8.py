@@ -33,7 +33,7 @@ from shoal.kernels.cutlass_scaled_mm import cutlass_scaled_mm, cutlass_scaled_mm
 from shoal.kernels.scaled_fp8_quant import FP8_DTYPE, scaled_fp8_quant
 from shoal.layers.quantization.base import LinearMethod, WeightLoader
 from shoal.layers.quantization.fp8_config import Fp8Config
-from shoal.layers.weight_utils import LoadedWeight, full_weight
+from shoal.layers.weight_utils import LoadedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ def _parameter(data: torch.Tensor, weight_loader: WeightLoader | None = None) ->
 
 
 class Fp8LinearMethod(LinearMethod):
+    """A linear layer in fp8: `weight` float8_e4m3fn [K, N] column-major, `weight_scale` float32
+    [N], and `input_scale` float32 [1] for static activation scales (see the module docstring)."""
+
     def __init__(self, config: Fp8Config):
         self.config = config
 
@@ -59,7 +62,7 @@ class Fp8LinearMethod(LinearMethod):
 
     # ---- parameters and loading ----------------------------------------------------------
 
-    def create_weights(self, layer: nn.Module, weight_loader: WeightLoader) -> None:
+    def create_weights(self, layer: Any, weight_loader: WeightLoader) -> None:
         rows, cols = layer.output_size, layer.input_size
         if not self.config.is_checkpoint_fp8:  # a float weight, quantized once loaded
             layer.weight = _parameter(torch.empty(rows, cols), weight_loader)
@@ -70,7 +73,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.is_static:
             layer.input_scale = _parameter(torch.zeros(1, dtype=torch.float32), _load_input_scale)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         if self.config.is_checkpoint_fp8:
             weight, weight_scale = layer.weight.data, layer.weight_scale.data
         else:
@@ -107,6 +110,13 @@ def _scaled_mm(
     return cutlass_scaled_mm_ref(a, b, a_scale, b_scale, out_dtype, bias)
 
 
+def _read_scale(loaded: LoadedWeight) -> torch.Tensor:
+    """A scale tensor as float32 [numel]; `[...]` also reads a 0-dim lazy slice (a per-tensor
+    scale is often stored with shape [])."""
+    scale = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+    return scale.to(torch.float32).reshape(-1)
+
+
 def _weight_scale_loader(layer: Any, weight_loader: WeightLoader) -> WeightLoader:
     """Load a checkpoint `weight_scale` into the per-row scales of the layer's weight.
 
@@ -116,12 +126,14 @@ def _weight_scale_loader(layer: Any, weight_loader: WeightLoader) -> WeightLoade
     a fused layer the tensor is)."""
 
     def load(param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
-        scale = full_weight(loaded).to(torch.float32).reshape(-1)
+        scale = _read_scale(loaded)
         rows = layer.checkpoint_output_size(shard_id)
         if scale.numel() == 1:
             scale = scale.expand(rows)
         elif scale.numel() != rows:
-            raise ValueError(f"weight_scale has {scale.numel()} entries; expected 1 (per tensor) or {rows} (per channel)")
+            raise ValueError(
+                f"weight_scale has {scale.numel()} entries; expected 1 (per tensor) or {rows} (per channel)"
+            )
         if shard_id is None:
             weight_loader(param, scale)
         else:
@@ -132,7 +144,7 @@ def _weight_scale_loader(layer: Any, weight_loader: WeightLoader) -> WeightLoade
 
 def _load_input_scale(param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
     """A static per-tensor activation scale; the parts of a fused layer keep the largest."""
-    scale = full_weight(loaded).to(torch.float32).reshape(-1)
+    scale = _read_scale(loaded)
     if scale.numel() != 1:
         raise ValueError(f"input_scale has {scale.numel()} entries; static activation scales are per tensor")
     param.data.copy_(torch.maximum(param.data, scale.to(param.device)))

@@ -99,8 +99,8 @@ def quantization_config_of(hf_config: Any) -> dict[str, Any] | None:
 
 
 def checkpoint_quantization(hf_config: Any) -> str | None:
-    """"fp8" for a checkpoint whose weights are fp8, None for an unquantized one; ValueError for
-    any other quantization (or an fp8 variant that shoal cannot run)."""
+    """The checkpoint's quantization: "fp8" when its weights are fp8, None when unquantized;
+    ValueError for any other quantization (or an fp8 variant that shoal cannot run)."""
     if quantization_config_of(hf_config) is None:
         return None
     Fp8Config.from_hf_config(hf_config)  # validates
