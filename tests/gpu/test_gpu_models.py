@@ -45,9 +45,14 @@ def test_cuda_graphs_on_and_off_give_identical_tokens(tiny_checkpoints: dict, dt
     assert tokens[0] == tokens[1]
 
 
-def test_1b_shaped_checkpoint_bf16_matches_hf(tmp_path_factory) -> None:
-    """Llama-3.2-1B shapes with random weights (saved once as bf16 safetensors): the first 16
-    greedy tokens equal transformers' (bf16, on the GPU) on at least 90% of prompts."""
+def test_1b_shaped_checkpoint_bf16_is_as_close_to_float32_as_transformers(tmp_path_factory) -> None:
+    """Llama-3.2-1B shapes with random weights (saved once as bf16 safetensors).
+
+    Random weights make greedy decoding in bf16 chaotic: transformers' own SDPA and eager
+    attention agree on the first 16 tokens of only ~30% of prompts (seen on a 4-layer proxy on
+    CPU). So the bar is relative: taking transformers in float32 as the truth, shoal in bf16
+    matches it on at least as many prompts as transformers in bf16 does (one prompt of slack),
+    and shoal in float32 matches it on all of them."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = tmp_path_factory.mktemp("llama-1b")
@@ -64,21 +69,44 @@ def test_1b_shaped_checkpoint_bf16_matches_hf(tmp_path_factory) -> None:
         initializer_range=0.05,
     )
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
-    hf.save_pretrained(path)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 31000, (8 + 5 * i,), generator=generator).tolist() for i in range(20)]
-    llm = gpu_llm(str(path), dtype="bfloat16", max_model_len=512)
-    ours = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-        use_tqdm=False,
-    )
-    equal = 0
-    with torch.inference_mode():
-        for prompt, output in zip(prompts, ours):
-            ids = torch.tensor([prompt], device="cuda")
-            ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-            equal += output.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
-    print(f"1B bf16: {equal}/{len(prompts)} prompts equal for 16 tokens")
-    assert equal >= 0.9 * len(prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def shoal_tokens(dtype: str) -> list[list[int]]:
+        llm = gpu_llm(str(path), dtype=dtype, max_model_len=512)
+        tokens = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ]
+        del llm
+        torch.cuda.empty_cache()
+        return tokens
+
+    def hf_tokens(dtype: torch.dtype) -> list[list[int]]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+        with torch.inference_mode():
+            return [
+                model.generate(
+                    torch.tensor([p], device="cuda"),
+                    max_new_tokens=16,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0, len(p) :].tolist()
+                for p in prompts
+            ]
+
+    truth = hf_tokens(torch.float32)
+    agree = {
+        name: sum(a == b for a, b in zip(tokens, truth))
+        for name, tokens in [
+            ("shoal_bf16", shoal_tokens("bfloat16")),
+            ("hf_bf16", hf_tokens(torch.bfloat16)),
+            ("shoal_fp32", shoal_tokens("float32")),
+        ]
+    }
+    print(f"1B random, prompts equal to transformers float32 for 16 tokens (of {len(prompts)}): {agree}")
+    assert agree["shoal_fp32"] == len(prompts)
+    assert agree["shoal_bf16"] >= agree["hf_bf16"] - 1
