@@ -37,6 +37,11 @@ SHOAL_CPU_THREADS: int = _int("SHOAL_CPU_THREADS", 0)
 # Disable loading the compiled csrc library even where it is built.
 SHOAL_DISABLE_CSRC: bool = _bool("SHOAL_DISABLE_CSRC", False)
 
+# The Ray cluster to join (Ray's own variable), when no ray_address is given.
+RAY_ADDRESS: str | None = os.environ.get("RAY_ADDRESS") or None
+# The GPUs this process may use; in a worker actor, what Ray assigned to it (read-only for shoal).
+CUDA_VISIBLE_DEVICES: str | None = os.environ.get("CUDA_VISIBLE_DEVICES")
+
 # Variables forwarded to every worker process (Ray runtime_env), by prefix.
 FORWARDED_PREFIXES: tuple[str, ...] = ("SHOAL_", "NCCL_", "GLOO_", "HF_", "TORCH_", "OMP_")
 

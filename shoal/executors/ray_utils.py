@@ -7,7 +7,6 @@ shoal imports Ray only in `shoal/executors/` and `cluster/`.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import uuid
 from typing import Any
@@ -40,7 +39,7 @@ def connect_to_ray(address: str | None, num_cpus: int | None) -> None:
         return
     quiet: dict[str, Any] = dict(logging_level=logging.WARNING, log_to_driver=True)
     # RAY_ADDRESS is Ray's own variable: an address given there must be reached, not replaced.
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or envs.RAY_ADDRESS
     if address:
         ray.init(address=address, **quiet)
     else:
@@ -189,7 +188,7 @@ def local_gpu_index() -> int:
     assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
     if not assigned:
         raise RuntimeError("this worker actor has no GPU assigned by Ray")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # set by Ray for this actor process
+    visible = envs.CUDA_VISIBLE_DEVICES  # set by Ray for this actor process before it started
     if not visible:
         return int(assigned[0])
     return visible.split(",").index(str(assigned[0]))
