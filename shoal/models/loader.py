@@ -39,7 +39,7 @@ def get_model(
     model_cls = resolve_model_class(model_config.architecture)
     partition = parallel_config.pipeline_layer_partition if parallel_config is not None else None
     quant_config = get_quant_config(model_config)
-    with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
+    with default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
         model = model_cls(model_config.hf_config, quant_config, pipeline_layer_partition=partition)
     with torch.no_grad():
         if model_config.load_format == "dummy":
@@ -79,7 +79,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside are of `dtype` (torch's default dtype, restored after)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -4,9 +4,6 @@ per-channel scales, fused parts, tensor-parallel shards), static activation scal
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +21,7 @@ from shoal.layers.linear import (
 from shoal.layers.quantization.base import UnquantizedLinearMethod
 from shoal.layers.quantization.fp8 import Fp8LinearMethod
 from shoal.layers.quantization.fp8_config import Fp8Config, checkpoint_quantization
+from shoal.models.loader import default_dtype
 from tests.layers.tp_utils import fake_tp_group
 
 ON_THE_FLY = Fp8Config()
@@ -34,16 +32,6 @@ CHECKPOINT_STATIC = Fp8Config(is_checkpoint_fp8=True, activation_scheme="static"
 # and the activations of a random [32, 256] x [256, N] product gives about 3.5% relative
 # (Frobenius) error; 5% is the bound.
 FP8_REL_ERROR = 0.05
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
