@@ -196,6 +196,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'")
     serving = state.completion
+    _require_tokenizer(serving)
     if body.messages is not None:
         args = (body.messages, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs)
         _, token_ids = await state.chat.render(*args)
@@ -212,11 +213,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     serving = _state(request).completion
     serving.check_model(body.model)
+    _require_tokenizer(serving)
     vocab_size = serving.model_config.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is out of the vocabulary [0, {vocab_size})", "tokens")
     return DetokenizeResponse(prompt=await serving.in_tokenizer_thread(serving.tokenizer.decode, body.tokens))
+
+
+def _require_tokenizer(serving: OpenAIServingCompletion) -> None:
+    if serving.tokenizer is None:
+        raise bad_request("this model has no tokenizer (a config-only folder): use token ids")
 
 
 # ---- running it ----------------------------------------------------------------------------------
