@@ -97,12 +97,28 @@ def shoal_generate(llm: Any, requests: list[BenchRequest], temperature: float) -
 def run_shoal(llm: Any, workload: Workload, vocab_size: int) -> dict[str, Any]:
     """One warm-up run of a few requests, then the whole workload, timed."""
     shoal_generate(llm, warmup_requests(workload, vocab_size), workload.temperature)
+    before = llm.get_stats()
     start = time.perf_counter()
     outputs = shoal_generate(llm, workload.requests, workload.temperature)
     elapsed = time.perf_counter() - start
     num_input = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return ThroughputResult("shoal", elapsed, len(outputs), num_input, num_output).as_dict()
+    result = ThroughputResult("shoal", elapsed, len(outputs), num_input, num_output).as_dict()
+    return {**result, **engine_step_times(before, llm.get_stats())}
+
+
+def engine_step_times(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Steps of the timed run and the engine core's own time per step (outside execute_model:
+    scheduling and applying the outputs), from the core's cumulative counters."""
+    num_steps = after["num_steps"] - before["num_steps"]
+    if num_steps <= 0:
+        return {}
+    outside = (after["step_s"] - after["execute_model_s"]) - (before["step_s"] - before["execute_model_s"])
+    return {
+        "num_steps": num_steps,
+        "step_ms_mean": (after["step_s"] - before["step_s"]) / num_steps * 1e3,
+        "engine_overhead_us_per_step": outside / num_steps * 1e6,
+    }
 
 
 def run_hf(setup: OfflineSetup, workload: Workload, batch_size: int) -> dict[str, Any]:
@@ -187,6 +203,12 @@ def print_report(report: dict[str, Any], setup: OfflineSetup) -> None:
     ]
     if "shoal_vs_hf" in report:
         lines.append(f"shoal / transformers output tokens/s: {report['shoal_vs_hf']:.2f}x")
+    shoal = results.get("shoal", {})
+    if "engine_overhead_us_per_step" in shoal:
+        lines.append(
+            f"engine steps: {shoal['num_steps']:,}, {shoal['step_ms_mean']:.2f} ms each, of which "
+            f"{shoal['engine_overhead_us_per_step']:.0f} us outside execute_model (scheduling, outputs)"
+        )
     bound = WorkloadBound(**report["bound"]) if report["bound"] is not None else None
     lines.append(describe_bound(setup, bound))
     print_lines(*lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.config import EngineConfig
@@ -19,6 +20,21 @@ from shoal.executors.abstract import Executor, StepFuture
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimes:
+    """Cumulative wall time of the executed steps, and how much of it the workers took; the
+    rest is the engine's own work per step (scheduling and applying outputs)."""
+
+    num_steps: int = 0
+    total_s: float = 0.0
+    execute_s: float = 0.0
+
+    def record(self, total_s: float, execute_s: float) -> None:
+        self.num_steps += 1
+        self.total_s += total_s
+        self.execute_s += execute_s
 
 
 class EngineCore:
@@ -34,6 +50,7 @@ class EngineCore:
         pp_size = config.parallel_config.pipeline_parallel_size
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] | None = deque() if pp_size > 1 else None
         self.batch_queue_size = pp_size
+        self.step_times = StepTimes()
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -75,11 +92,16 @@ class EngineCore:
         """Run one batch: schedule it, execute it on the workers, apply what they sampled."""
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        execute_start = time.perf_counter()
         model_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        execute_s = time.perf_counter() - execute_start
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.step_times.record(time.perf_counter() - start, execute_s)
+        return outputs
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Pipeline parallelism: up to `pipeline_parallel_size` batches run at once, one per
@@ -122,6 +144,9 @@ class EngineCore:
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_preemptions": stats.num_preemptions,
+            "num_steps": self.step_times.num_steps,
+            "step_s": self.step_times.total_s,
+            "execute_model_s": self.step_times.execute_s,
         }
 
     def check_health(self) -> None:
