@@ -103,8 +103,14 @@ class EngineCoreProc:
                 self.output_queue.put(encode(MessageType.OUTPUTS, outputs))
 
     def _process_input(self, block: bool) -> None:
-        if block:
-            self._handle(*self.input_queue.get())
+        while block:
+            try:
+                # A timeout, not a bare get(): a wait with no timeout can hold off SIGTERM's
+                # handler, which only runs between bytecodes of this (the main) thread.
+                self._handle(*self.input_queue.get(timeout=0.5))
+                break
+            except queue.Empty:
+                continue
         while not self.input_queue.empty():
             self._handle(*self.input_queue.get_nowait())
 
