@@ -14,7 +14,10 @@ from tests.kernels.attention_cases import GPU_BATCHES, GPU_HEADS, run_compiled
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed (make test installs it on x86-64; GPU machines run the compiled kernels)")
+@pytest.mark.skipif(
+    not triton_available(),
+    reason="triton is not installed (make test installs it on x86-64; GPU machines run the compiled kernels)",
+)
 def test_triton_paged_attention_under_the_interpreter():
     """The Triton kernels on CPU tensors under TRITON_INTERPRET=1, in a fresh process (the
     interpreter is picked when the kernels are decorated)."""
