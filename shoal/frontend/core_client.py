@@ -172,9 +172,7 @@ class MPClient:
                     return message.num_kv_blocks
                 if kind == MessageType.ENGINE_DEAD:
                     self._cleanup()
-                    if message.message.startswith("ValueError: "):  # a bad argument, as in-process
-                        raise ValueError(message.message.removeprefix("ValueError: "))
-                    raise RuntimeError(f"the engine core failed to start: {message.message}")
+                    raise _core_error(message.message, "the engine core failed to start")
             elif not self.process.is_alive():
                 code = self.process.exitcode
                 self._cleanup()
@@ -355,9 +353,15 @@ class AsyncMPClient(MPClient):
 def _utility_result(reply: UtilityOutput) -> Any:
     if reply.error is None:
         return reply.result
-    if reply.error.startswith("ValueError"):
-        raise ValueError(reply.error.removeprefix("ValueError: "))
-    raise RuntimeError(f"engine-core call failed: {reply.error}")
+    raise _core_error(reply.error, "engine-core call failed")
+
+
+def _core_error(message: str, context: str) -> Exception:
+    """The engine core reports a failure as "Type: message"; a bad argument stays a ValueError,
+    as it would be in-process, anything else becomes a RuntimeError."""
+    if message.startswith("ValueError: "):
+        return ValueError(message.removeprefix("ValueError: "))
+    return RuntimeError(f"{context}: {message}")
 
 
 class AsyncInprocClient:

@@ -25,6 +25,7 @@ from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
 from shoal.engine_core.batch import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
+from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner
 from shoal.workers.input_batch import InputBatch, RequestState
 from shoal.workers.sampler import Sampler, build_sampling_metadata, logprobs_lists
@@ -153,9 +154,6 @@ class ModelRunner:
         if get_pp_group().is_last_rank:
             num_rows = min(self.config.scheduler_config.max_num_seqs, num_tokens)
             logits = self._model.compute_logits(hidden_states[:num_rows])
-            from shoal.sampling_params import SamplingParams
-            from shoal.workers.input_batch import RequestState
-
             states = [RequestState(str(i), i, 1, SamplingParams(top_p=0.9), None, None) for i in range(num_rows)]
             self.sampler(logits, build_sampling_metadata(states, logits.shape[-1], self.device))
         for layer in self._model.attention_layers():
