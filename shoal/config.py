@@ -64,6 +64,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Schedule step N+1 while step N runs on the device (see docs/async_scheduling.md).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: tuple[int, ...] | None = None
     ray_address: str | None = None
+    # None: on for one GPU worker, off otherwise.
+    async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -137,6 +141,7 @@ class EngineArgs:
         _require(max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be a power of 2 <= 128")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        parallel_config = self._parallel_config(model_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -151,10 +156,23 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=model_config.max_model_len,
+                async_scheduling=self._async_scheduling(device, parallel_config),
             ),
-            parallel_config=self._parallel_config(model_config),
+            parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),
         )
+
+    def _async_scheduling(self, device: Device, parallel_config: ParallelConfig) -> bool:
+        """Async scheduling feeds each step's sampled tokens to the next step on the device,
+        which one worker can do; with several, every rank would need the same tokens."""
+        single_worker = parallel_config.world_size == 1
+        if self.async_scheduling is None:
+            return device == "cuda" and single_worker
+        _require(
+            single_worker or not self.async_scheduling,
+            "async_scheduling needs one worker (tensor_parallel_size = pipeline_parallel_size = 1)",
+        )
+        return self.async_scheduling
 
     def _model_config(self, device: Device) -> ModelConfig:
         model = self.model

@@ -46,10 +46,14 @@ class EngineCore:
         self._check_capacity(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_kv_blocks)
-        # Pipeline parallelism keeps one batch in flight per stage (see step_with_batch_queue).
+        # Pipeline parallelism keeps one batch in flight per stage; async scheduling keeps two,
+        # the one on the device and the next (see step_with_batch_queue).
         pp_size = config.parallel_config.pipeline_parallel_size
-        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] | None = deque() if pp_size > 1 else None
-        self.batch_queue_size = pp_size
+        self.batch_queue_size = pp_size if pp_size > 1 else 2 if config.scheduler_config.async_scheduling else 1
+        # (step, its future, seconds spent scheduling it, seconds spent launching it)
+        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture, float, float]] | None = (
+            deque() if self.batch_queue_size > 1 else None
+        )
         self.step_times = StepTimes()
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
@@ -104,20 +108,32 @@ class EngineCore:
         return outputs
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
-        """Pipeline parallelism: up to `pipeline_parallel_size` batches run at once, one per
-        stage. While the queue has room and a request is not in flight, schedule and launch
-        another batch; otherwise wait for the oldest batch and apply what it sampled."""
+        """Several batches at once: one per stage with pipeline parallelism, or with async
+        scheduling the batch on the device and the next one. While the queue has room and
+        something can be scheduled, schedule and launch another batch; otherwise wait for the
+        oldest batch and apply what it sampled."""
         assert self.batch_queue is not None
+        start = time.perf_counter()
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_schedulable_requests():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
+                launch_start = time.perf_counter()
                 future = self.executor.execute_model(scheduler_output, non_block=True)
-                self.batch_queue.append((scheduler_output, future))
+                launch_s = time.perf_counter() - launch_start
+                self.batch_queue.append((scheduler_output, future, launch_start - start, launch_s))
                 return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
         if not self.batch_queue:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
-        scheduler_output, future = self.batch_queue.popleft()
-        return self.scheduler.update_from_output(scheduler_output, future.result())
+        scheduler_output, future, schedule_s, launch_s = self.batch_queue.popleft()
+        wait_start = time.perf_counter()
+        model_output = future.result()
+        wait_s = time.perf_counter() - wait_start
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        # The engine's own time for this step is scheduling it and applying its output; the
+        # launch and the wait are the workers'.
+        own_s = schedule_s + (time.perf_counter() - start - wait_s)
+        self.step_times.record(own_s + launch_s + wait_s, launch_s + wait_s)
+        return outputs
 
     # ---- utility calls (collective_rpc, cache control, health) ------------------------------
 

@@ -55,6 +55,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps still in flight (async scheduling runs a request one
+        # step ahead of its known tokens; the workers feed those tokens in on the device).
+        self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache when first scheduled (-1: not yet scheduled).
         self.num_cached_tokens = -1
         self.first_scheduled_time: float | None = None

@@ -5,13 +5,18 @@ need one token; a prompt being prefilled in chunks takes what the budget leaves)
 requests in arrival order, starting after their prefix-cache hit. A prompt longer than the
 budget is chunked across steps. When the KV cache runs out of blocks, the newest running
 request is preempted: its blocks are freed and it waits to be recomputed from scratch.
+
+Steps may overlap. With pipeline parallelism a request waits until its step comes back; with
+async scheduling a decoding request runs one step ahead: it is scheduled again while its last
+token is still being sampled (a placeholder the workers fill in on the device), so the next
+step is ready when the device finishes this one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from shoal.config import CacheConfig, SchedulerConfig
@@ -40,15 +45,16 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
+        self.async_scheduling = scheduler_config.async_scheduling
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Requests whose step is still executing (pipeline parallelism keeps several steps in
-        # flight); they are not scheduled again until their output is back.
-        self.in_flight: set[str] = set()
+        # Request id → how many steps still executing include it (pipeline parallelism and
+        # async scheduling keep several steps in flight).
+        self.in_flight: Counter[str] = Counter()
         self._finished_req_ids: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
@@ -77,6 +83,8 @@ class Scheduler:
         return bool(self.requests)
 
     def has_schedulable_requests(self) -> bool:
+        if self.async_scheduling:
+            return bool(self.requests)  # requests in flight may run ahead
         return len(self.in_flight) < len(self.requests)
 
     # ---- one step -----------------------------------------------------------------------------
@@ -91,10 +99,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.request_id in self.in_flight:
+            if request.request_id in self.in_flight and not self._may_run_ahead(request):
                 index += 1
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = min(self._num_tokens_to_compute(request), budget)
             if num_new_tokens == 0:
                 index += 1
                 continue
@@ -102,7 +110,7 @@ class Scheduler:
             if blocks is None:
                 break  # the request itself was preempted, or nothing could give way
             num_scheduled[request.request_id] = num_new_tokens
-            self.in_flight.add(request.request_id)
+            self.in_flight[request.request_id] += 1
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new_tokens
             index += 1
@@ -124,11 +132,31 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.time()
             num_scheduled[request.request_id] = num_new_tokens
-            self.in_flight.add(request.request_id)
+            self.in_flight[request.request_id] += 1
             scheduled_new.append(request)
             budget -= num_new_tokens
 
         return self._make_output(num_scheduled, new_blocks, scheduled_new)
+
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+    def _may_run_ahead(self, request: Request) -> bool:
+        """Async scheduling: may this request, still in flight, be scheduled again? Not when
+        its sampler needs its latest tokens on the host (penalties count them, min_tokens
+        masks by their number), nor when the tokens in flight already end it by length."""
+        if not self.async_scheduling:
+            return False
+        params = request.sampling_params
+        num_pending = request.num_output_placeholders
+        return (
+            params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0
+            and request.num_output_tokens >= params.min_tokens
+            and request.num_output_tokens + num_pending < request.max_tokens
+            and request.num_tokens + num_pending < self.max_model_len
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
         """Allocate the request's new slots, preempting the newest running requests until they
@@ -157,6 +185,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # never set: requests in flight are not preempted
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -208,9 +237,13 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             step_id=self._step_id,
         )
-        # The scheduled tokens count as computed from now on: their KV is written this step.
+        # The scheduled tokens count as computed from now on: their KV is written this step. A
+        # step that reaches past the known tokens samples one more: a placeholder until it is back.
         for request_id, num_tokens in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         return output
 
     # ---- results of a step ------------------------------------------------------------------
@@ -220,14 +253,17 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append the sampled tokens, finish requests that stopped, and report to the frontend."""
         outputs = []
-        num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output)
+        step_starts = _step_starts(scheduler_output)
+        num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output, step_starts)
         num_generation_tokens = 0
         for request_id in scheduler_output.num_scheduled_tokens:
-            self.in_flight.discard(request_id)
+            self._leave_flight(request_id)
         for request_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids, strict=True):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+                continue  # aborted, or finished by an earlier step, while this step ran
+            if token_ids:
+                request.num_output_placeholders -= 1
             new_token_ids = []
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
@@ -237,8 +273,7 @@ class Scheduler:
             num_generation_tokens += len(new_token_ids)
             prompt_logprobs = model_output.prompt_logprobs.get(request_id)
             if prompt_logprobs is not None:
-                num_scheduled_tokens = scheduler_output.num_scheduled_tokens[request_id]
-                prompt_logprobs = self._unsent_prompt_logprobs(request, prompt_logprobs, num_scheduled_tokens)
+                prompt_logprobs = self._unsent_prompt_logprobs(request, prompt_logprobs, step_starts[request_id])
             if not new_token_ids and prompt_logprobs is None:
                 continue
             logprobs = model_output.logprobs.get(request_id)
@@ -260,26 +295,29 @@ class Scheduler:
         stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
-    def _num_prompt_tokens_computed(self, scheduler_output: SchedulerOutput) -> int:
-        """How many of the step's tokens were prompt positions (while the step ran, its requests
-        kept `num_computed_tokens` at the end of their scheduled tokens)."""
+    def _leave_flight(self, request_id: str) -> None:
+        remaining = self.in_flight[request_id] - 1
+        if remaining > 0:
+            self.in_flight[request_id] = remaining
+        else:
+            self.in_flight.pop(request_id, None)
+
+    def _num_prompt_tokens_computed(self, scheduler_output: SchedulerOutput, step_starts: dict[str, int]) -> int:
+        """How many of the step's tokens were prompt positions."""
         total = 0
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None:
                 continue  # aborted while the step ran
-            start = request.num_computed_tokens - num_tokens
+            start = step_starts[request_id]
             if start < request.num_prompt_tokens:  # a prefill chunk, not a decode or a recompute
                 total += min(num_tokens, request.num_prompt_tokens - start)
         return total
 
-    def _unsent_prompt_logprobs(
-        self, request: Request, rows: LogprobsLists, num_scheduled_tokens: int
-    ) -> LogprobsLists | None:
+    def _unsent_prompt_logprobs(self, request: Request, rows: LogprobsLists, start: int) -> LogprobsLists | None:
         """The rows of prompt positions the frontend has not had yet. Row i is prompt position
         `start + i`; after a preemption the prompt is computed again from position 0, and its
         rows come again."""
-        start = request.num_computed_tokens - num_scheduled_tokens
         num_sent, num_rows = request.num_prompt_logprobs_sent, len(rows.ranks)
         request.num_prompt_logprobs_sent = max(num_sent, start + num_rows)
         if start + num_rows <= num_sent:
@@ -307,7 +345,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self.in_flight.discard(request.request_id)
+        self.in_flight.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
 
     # ---- statistics and cache control -------------------------------------------------------
@@ -329,3 +367,10 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+
+def _step_starts(scheduler_output: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's computed tokens before the step (its first position in it)."""
+    starts = {new.req_id: new.num_computed_tokens for new in scheduler_output.new_reqs}
+    starts.update((cached.req_id, cached.num_computed_tokens) for cached in scheduler_output.cached_reqs)
+    return starts

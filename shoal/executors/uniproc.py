@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
-from shoal.executors.abstract import Executor
+from shoal.executors.abstract import Executor, StepFuture
 
 
 class UniProcExecutor(Executor):
@@ -25,8 +25,12 @@ class UniProcExecutor(Executor):
     ) -> list[Any]:
         return [self.worker.call(method, args, kwargs or {})]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = self.worker.execute_model(scheduler_output)
+    def execute_model(  # type: ignore[override]
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | StepFuture:
+        # The only worker always samples; non_block returns its step handle, whose result()
+        # waits for the device (async scheduling launches the next step before that).
+        output = self.worker.execute_model(scheduler_output, non_block)
         assert output is not None, "the only worker always samples"
         return output
 

@@ -8,6 +8,11 @@ wanted); sample.
 On a GPU the inputs land in persistent device buffers (`StepBuffers`), and pure-decode steps
 replay CUDA graphs (`CudaGraphRunner`) unless `enforce_eager`.
 
+A step's sampled tokens stay on the device until `SampledStep.result()` reads them back, so
+with async scheduling the engine prepares and launches the next step first. That next step may
+include a request whose last token the host does not know yet: its input is taken on the device
+from the previous step's samples (`_fill_pending_tokens`).
+
 With pipeline parallelism a stage after the first receives the previous stage's hidden states
 and residual before its forward, and a stage before the last sends its own after; only the last
 stage computes logits and samples.
@@ -28,7 +33,7 @@ from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner
 from shoal.workers.input_batch import InputBatch, RequestState
-from shoal.workers.sampler import Sampler, build_sampling_metadata, logprobs_lists
+from shoal.workers.sampler import Sampler, SamplerOutput, build_sampling_metadata, logprobs_lists
 from shoal.workers.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -50,6 +55,65 @@ class StepInputs:
     logits_indices: np.ndarray
     # Requests that want prompt logprobs: (req_id, rows, target token ids) computed this step.
     prompt_logprob_rows: list[tuple[str, np.ndarray, np.ndarray]]
+
+
+class SampledStep:
+    """A step's results still on the device; `result()` reads them back, which is the one
+    host synchronization of a step."""
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        states: list[RequestState],
+        sampled: SamplerOutput | None,
+        prompt_logprobs: dict[str, tuple[torch.Tensor, ...]],
+        step_id: int,
+    ) -> None:
+        self.req_ids = req_ids
+        self.states = states
+        self.sampled = sampled
+        self.prompt_logprobs = prompt_logprobs
+        self.step_id = step_id
+        self.host_token_ids: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+        if sampled is not None and sampled.sampled_token_ids.is_cuda:
+            # Start the copy now; result() only waits for it.
+            token_ids = sampled.sampled_token_ids
+            self.host_token_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self.host_token_ids.copy_(token_ids, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, LogprobsLists] = {}
+        if self.sampled is not None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            token_ids = self.host_token_ids if self.host_token_ids is not None else self.sampled.sampled_token_ids
+            sampled = {s.req_id: [t] for s, t in zip(self.states, token_ids.tolist())}
+            if self.sampled.logprobs is not None:
+                logprobs = _split_logprobs(self.states, self.sampled)
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=[sampled.get(r, []) for r in self.req_ids],
+            logprobs=logprobs,
+            prompt_logprobs={
+                req_id: LogprobsLists(*(t.tolist() for t in tensors))
+                for req_id, tensors in self.prompt_logprobs.items()
+            },
+            step_id=self.step_id,
+        )
+
+
+class FinishedStep:
+    """A step with nothing on the device to wait for."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        return self.output
 
 
 class ModelRunner:
@@ -78,6 +142,9 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        # The last step's sampled tokens on the device, and each sampling request's row in them.
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_sampled_rows: dict[str, int] = {}
 
     @property
     def is_sampling_rank(self) -> bool:
@@ -162,10 +229,15 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | SampledStep | FinishedStep | None:
+        """Run one step. With `non_block` return as soon as it is launched: a `SampledStep`
+        whose `result()` waits for the device and reads the sampled tokens back."""
         self.input_batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
+            empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
+            return FinishedStep(empty) if non_block else empty
         inputs = self._prepare_inputs(scheduler_output)
         hidden_states = self._forward(inputs)
         if not get_pp_group().is_last_rank:
@@ -173,11 +245,10 @@ class ModelRunner:
             return None
         # Every tensor-parallel rank of the last stage takes part: the logits are all-gathered
         # across the group. Only the sampling rank's tokens go back to the engine.
-        output = self._sample(inputs, hidden_states)
+        step = self._sample(inputs, hidden_states, scheduler_output.step_id)
         if not self.is_sampling_rank:
             return None
-        output.step_id = scheduler_output.step_id
-        return output
+        return step if non_block else step.result()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | dict[str, torch.Tensor]:
         """The model on this step's batch: a CUDA-graph replay for a captured decode size,
@@ -211,6 +282,7 @@ class ModelRunner:
             pp.send(tensors[name], pp.rank_in_group + 1)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        self.buffers.begin_step()
         batch = self.input_batch
         req_ids = scheduler_output.scheduled_req_ids
         slots = np.array([batch.requests[r].slot for r in req_ids], dtype=np.int64)
@@ -233,6 +305,11 @@ class ModelRunner:
         samples = seq_lens >= batch.num_tokens[slots]  # this step completes the known tokens
         attn_metadata = self._attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping)
         views = self.buffers.load(input_ids=input_ids, positions=positions)
+        unknown = positions >= batch.num_tokens[token_slots]  # tokens still being sampled
+        if unknown.any():
+            self._fill_pending_tokens(
+                views["input_ids"], np.flatnonzero(unknown), [req_ids[i] for i in req_index[unknown]]
+            )
         return StepInputs(
             req_ids=req_ids,
             input_ids=views["input_ids"],
@@ -242,6 +319,15 @@ class ModelRunner:
             logits_indices=query_start_loc[1:][samples] - 1,
             prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
         )
+
+    def _fill_pending_tokens(self, input_ids: torch.Tensor, index: np.ndarray, req_ids: list[str]) -> None:
+        """Async scheduling: a request scheduled again before its last sampled token came back
+        takes that token, as input at `index`, from the previous step's samples on the device."""
+        if self.prev_sampled is None or any(r not in self.prev_sampled_rows for r in req_ids):
+            raise RuntimeError("a step's input token was never sampled: the engine scheduled ahead of two steps")
+        rows = np.array([self.prev_sampled_rows[r] for r in req_ids], dtype=np.int64)
+        views = self.buffers.load(pending_token_index=index, pending_token_rows=rows)
+        input_ids.index_copy_(0, views["pending_token_index"], self.prev_sampled[views["pending_token_rows"]])
 
     def _attention_metadata(
         self,
@@ -289,11 +375,12 @@ class ModelRunner:
             rows.append((req_id, positions - first + query_start_loc[i], targets))
         return rows
 
-    def _sample(self, inputs: StepInputs, hidden_states: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, inputs: StepInputs, hidden_states: torch.Tensor, step_id: int) -> SampledStep:
+        """Launch logits and sampling for the rows that sample; nothing is read back here."""
         model = self._model
         states = [self.input_batch.requests[r] for r in inputs.sampling_req_ids]
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, LogprobsLists] = {}
+        result = None
+        self.prev_sampled, self.prev_sampled_rows = None, {}
         if states:
             if len(states) == hidden_states.shape[0]:  # every row samples (a decode): no gather
                 logits = model.compute_logits(hidden_states)
@@ -301,30 +388,13 @@ class ModelRunner:
                 logits = model.compute_logits(hidden_states[self._to_device(inputs.logits_indices)])
             metadata = build_sampling_metadata(states, logits.shape[-1], self.device)
             result = self.sampler(logits, metadata)
-            token_ids = result.sampled_token_ids.tolist()  # the one host sync of the step
-            sampled = {s.req_id: [t] for s, t in zip(states, token_ids)}
-            if result.logprobs is not None:
-                logprobs = self._split_logprobs(states, result)
-        return ModelRunnerOutput(
-            req_ids=inputs.req_ids,
-            sampled_token_ids=[sampled.get(r, []) for r in inputs.req_ids],
-            logprobs=logprobs,
-            prompt_logprobs=self._prompt_logprobs(inputs, hidden_states),
-        )
+            self.prev_sampled = result.sampled_token_ids
+            self.prev_sampled_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_req_ids)}
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
+        return SampledStep(inputs.req_ids, states, result, prompt_logprobs, step_id)
 
-    @staticmethod
-    def _split_logprobs(states: list[RequestState], result) -> dict[str, LogprobsLists]:
-        wanted = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
-        index = torch.tensor(wanted, device=result.logprobs.device)
-        lists = logprobs_lists(
-            result.logprob_token_ids[index],
-            result.logprobs[index],
-            result.sampled_ranks[index],
-            [states[i].sampling_params.logprobs for i in wanted],
-        )
-        return {states[i].req_id: lp for i, lp in zip(wanted, lists)}
-
-    def _prompt_logprobs(self, inputs: StepInputs, hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:
+    def _prompt_logprobs(self, inputs: StepInputs, hidden_states: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Per request: (token ids, logprobs, ranks) of its prompt rows, on the device."""
         result = {}
         for req_id, rows, targets in inputs.prompt_logprob_rows:
             num_logprobs = self.input_batch.requests[req_id].sampling_params.prompt_logprobs or 0
@@ -334,11 +404,7 @@ class ModelRunner:
             target_lp = logprobs.gather(-1, target)
             ranks = (logprobs > target_lp).sum(dim=-1) + 1
             top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
-            result[req_id] = LogprobsLists(
-                torch.cat([target, top_ids], dim=-1).tolist(),
-                torch.cat([target_lp, top_lp], dim=-1).tolist(),
-                ranks.tolist(),
-            )
+            result[req_id] = (torch.cat([target, top_ids], dim=-1), torch.cat([target_lp, top_lp], dim=-1), ranks)
         return result
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -349,3 +415,17 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("the model is not loaded")
         return self.model
+
+
+def _split_logprobs(states: list[RequestState], result: SamplerOutput) -> dict[str, LogprobsLists]:
+    """The sampled rows' logprobs, for the requests that asked for them."""
+    assert result.logprob_token_ids is not None and result.logprobs is not None and result.sampled_ranks is not None
+    wanted = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+    index = torch.tensor(wanted, device=result.logprobs.device)
+    lists = logprobs_lists(
+        result.logprob_token_ids[index],
+        result.logprobs[index],
+        result.sampled_ranks[index],
+        [states[i].sampling_params.logprobs for i in wanted],
+    )
+    return {states[i].req_id: lp for i, lp in zip(wanted, lists)}

@@ -17,7 +17,7 @@ from shoal import envs
 from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
-from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.engine_core.batch import SchedulerOutput
 from shoal.workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,10 @@ class Worker:
 
     # ---- steps and calls -------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Any:
+        """The step's output (None on ranks that do not sample); with `non_block`, a handle
+        whose `result()` waits for it (see `ModelRunner.execute_model`)."""
+        return self.runner.execute_model(scheduler_output, non_block)
 
     def call(self, method: str | Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run a `collective_rpc` call: a method of this worker by name, or a function that

@@ -32,9 +32,10 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, async_scheduling),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
     )
@@ -489,7 +490,7 @@ def test_abort_while_the_step_runs_drops_its_tokens() -> None:
     model_output = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], [6]])
     outputs = scheduler.update_from_output(sched_out, model_output)
     assert outputs_by_id(outputs) == {"b": [6]}
-    assert scheduler.in_flight == set()
+    assert not scheduler.in_flight
     assert scheduler.schedule().finished_req_ids == ["a"]
 
 
@@ -576,6 +577,71 @@ def test_a_request_in_flight_is_never_preempted() -> None:
     assert fourth.num_scheduled_tokens == {"b": 1} and fourth.finished_req_ids == ["a"]
 
 
+# ---- async scheduling: decodes run one step ahead of their sampled tokens ------------------
+
+
+def test_async_decode_is_scheduled_again_while_its_step_runs() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    add(scheduler, make_request("a", 4, max_tokens=8))
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"a": 4}
+    assert scheduler.requests["a"].num_output_placeholders == 1
+    second = scheduler.schedule()  # the prompt's sample is still in flight
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert second.cached_reqs[0].new_token_ids == [] and second.cached_reqs[0].num_computed_tokens == 4
+    assert scheduler.requests["a"].num_output_placeholders == 2
+    assert scheduler.in_flight["a"] == 2
+    outputs = scheduler.update_from_output(first, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5]]))
+    assert outputs_by_id(outputs) == {"a": [5]}
+    assert scheduler.requests["a"].num_output_placeholders == 1
+    third = scheduler.schedule()  # the workers now hear of the first sample
+    assert third.num_scheduled_tokens == {"a": 1} and third.cached_reqs[0].new_token_ids == [5]
+    assert third.cached_reqs[0].num_computed_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"repetition_penalty": 1.2}, {"frequency_penalty": 0.5}, {"presence_penalty": 0.5}, {"min_tokens": 3}],
+)
+def test_async_waits_for_tokens_its_sampler_needs(params: dict) -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    add(scheduler, make_request("a", 4, max_tokens=8, **params), make_request("b", 4, max_tokens=8))
+    first = scheduler.schedule()
+    assert scheduler.schedule().num_scheduled_tokens == {"b": 1}
+    scheduler.update_from_output(first, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], [6]]))
+    assert "a" in scheduler.schedule().num_scheduled_tokens
+
+
+def test_async_does_not_run_past_max_tokens_or_max_model_len() -> None:
+    scheduler = make_scheduler(async_scheduling=True, max_model_len=6)
+    add(scheduler, make_request("a", 4, max_tokens=2), make_request("b", 4, max_tokens=100))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"a": 1, "b": 1}
+    # a's two tokens are both in flight, and so are b's 5th and 6th: max_model_len.
+    assert scheduler.schedule().num_scheduled_tokens == {}
+    scheduler.update_from_output(first, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], [6]]))
+    outputs = scheduler.update_from_output(second, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[7], [8]]))
+    assert {o.request_id: o.finish_reason for o in outputs.outputs} == {"a": "length", "b": "length"}
+    assert_all_free(scheduler, 64)
+
+
+def test_async_step_after_a_stop_is_dropped_and_frees_everything() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    add(scheduler, make_request("a", 4, max_tokens=8), make_request("b", 4, max_tokens=8))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    outputs = scheduler.update_from_output(first, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[EOS], [6]]))
+    assert {o.request_id: o.finish_reason for o in outputs.outputs} == {"a": "stop", "b": None}
+    outputs = scheduler.update_from_output(second, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[9], [7]]))
+    assert outputs_by_id(outputs) == {"b": [7]}  # a's step past its stop is dropped
+    third = scheduler.schedule()
+    assert third.num_scheduled_tokens == {"b": 1} and third.finished_req_ids == ["a"]
+    scheduler.abort_requests(["b"])
+    scheduler.update_from_output(third, ModelRunnerOutput(req_ids=["b"], sampled_token_ids=[[1]]))
+    assert_all_free(scheduler, 64)
+
+
 def test_duplicate_request_id_is_rejected() -> None:
     scheduler = make_scheduler()
     add(scheduler, make_request("a", 4))
@@ -594,11 +660,11 @@ class WorkerRequest:
     # prefix_keys[i] stands for the KV of position i: it depends on every token up to i.
     prefix_keys: list[int] = field(default_factory=list)
 
-    def key(self, position: int) -> int:
+    def key(self, position: int, token_ids: list[int]) -> int:
         while len(self.prefix_keys) <= position:
             i = len(self.prefix_keys)
             parent = self.prefix_keys[i - 1] if i else 0
-            self.prefix_keys.append(hash((parent, self.token_ids[i])))
+            self.prefix_keys.append(hash((parent, token_ids[i])))
         return self.prefix_keys[position]
 
 
@@ -608,6 +674,8 @@ class FakeWorker:
 
     def __init__(self, num_blocks: int, block_size: int, sample: Callable[[str, int], int]) -> None:
         self.block_size = block_size
+        # The previous step's samples: async scheduling feeds them back before the engine has them.
+        self.last_sampled: dict[str, int] = {}
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.requests: dict[str, WorkerRequest] = {}
         self.prompt_lens: dict[str, int] = {}
@@ -628,23 +696,31 @@ class FakeWorker:
             state.block_ids.extend(cached.new_block_ids)
         assert [*out.num_scheduled_tokens] == [r.req_id for r in out.cached_reqs] + [r.req_id for r in out.new_reqs]
         # Every layer writes the whole batch's KV before attending, so write everything first.
+        inputs: dict[str, list[int]] = {}
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             end = state.num_computed_tokens + num_tokens
-            assert end <= len(state.token_ids) and end <= len(state.block_ids) * self.block_size
+            inputs[req_id] = state.token_ids
+            if end > len(state.token_ids):  # async scheduling: the last token is still in flight
+                assert end == len(state.token_ids) + 1 and req_id in self.last_sampled
+                inputs[req_id] = state.token_ids + [self.last_sampled[req_id]]
+            assert end <= len(state.block_ids) * self.block_size
             for position in range(state.num_computed_tokens, end):
-                self._slot_write(state, position, state.key(position))
+                self._slot_write(state, position, state.key(position, inputs[req_id]))
         req_ids, sampled = [], []
+        self.last_sampled = {}
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             state.num_computed_tokens += num_tokens
             for position in range(state.num_computed_tokens):
                 block_id = state.block_ids[position // self.block_size]
-                assert self.kv[block_id][position % self.block_size] == state.key(position), (req_id, position)
+                key = state.key(position, inputs[req_id])
+                assert self.kv[block_id][position % self.block_size] == key, (req_id, position)
             req_ids.append(req_id)
-            done = state.num_computed_tokens == len(state.token_ids)
-            num_output = len(state.token_ids) - self.prompt_lens[req_id]
-            sampled.append([self.sample(req_id, num_output)] if done else [])
+            done = state.num_computed_tokens == len(inputs[req_id])
+            if done:
+                self.last_sampled[req_id] = self.sample(req_id, state.num_computed_tokens - self.prompt_lens[req_id])
+            sampled.append([self.last_sampled[req_id]] if done else [])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, step_id=out.step_id)
 
     def _slot_write(self, state: WorkerRequest, position: int, key: int) -> None:
@@ -678,11 +754,17 @@ def sampled_token(req_id: str, index: int) -> int:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("steps_in_flight", [1, 2])
-def test_randomized_soak_leaks_nothing(seed: int, steps_in_flight: int) -> None:
+@pytest.mark.parametrize("steps_in_flight, async_scheduling", [(1, False), (2, False), (2, True)])
+def test_randomized_soak_leaks_nothing(seed: int, steps_in_flight: int, async_scheduling: bool) -> None:
     rng = random.Random(seed)
     block_size, num_blocks, num_requests = 4, 40, 150
-    scheduler = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=12, max_num_batched_tokens=32)
+    scheduler = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=12,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+    )
     worker = FakeWorker(num_blocks, block_size, sampled_token)
     shared_prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 40))] for _ in range(4)]
     pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
@@ -691,6 +773,7 @@ def test_randomized_soak_leaks_nothing(seed: int, steps_in_flight: int) -> None:
     finish_reasons: dict[str, str] = {}
     aborted: set[str] = set()
     next_request = 0
+    num_ran_ahead = 0  # requests scheduled again while a step of theirs was in flight
 
     for _ in range(20_000):
         # Arrivals: a few at a time, half of them sharing a prefix (sometimes a whole prompt).
@@ -707,7 +790,9 @@ def test_randomized_soak_leaks_nothing(seed: int, steps_in_flight: int) -> None:
             scheduler.abort_requests([victim])
             aborted.add(victim)
         while len(pending) < steps_in_flight and scheduler.has_schedulable_requests():
+            in_flight = set(scheduler.in_flight)
             out = scheduler.schedule()
+            num_ran_ahead += len(in_flight & set(out.num_scheduled_tokens))
             check_invariants(scheduler, out)
             if out.total_num_scheduled_tokens == 0:
                 break  # like EngineCore.step: an empty step is not executed
@@ -733,6 +818,7 @@ def test_randomized_soak_leaks_nothing(seed: int, steps_in_flight: int) -> None:
     assert scheduler.num_preemptions > 0, "the cache was meant to be small enough to preempt"
     assert scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
     assert aborted and len(aborted) < num_requests
+    assert (num_ran_ahead > 100) if async_scheduling else (num_ran_ahead == 0)
     for req_id, max_tokens in expected.items():
         want = [sampled_token(req_id, i) for i in range(max_tokens)]
         if req_id in aborted and req_id not in finish_reasons:
