@@ -110,10 +110,6 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     engine_args = engine_args_from(args)
     if args.model_tag is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_tag)
-    try:
-        engine_args.create_engine_config()  # bad arguments fail here, before anything starts
-    except ValueError as exc:
-        parser.exit(2, f"shoal serve: error: {exc}\n")
     server_args = ServerArgs(
         host=args.host,
         port=args.port,
@@ -130,6 +126,10 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         run_server(engine_args, server_args)
     except KeyboardInterrupt:
         pass
+    except ValueError as exc:
+        # Engine arguments are checked as the engine starts (with the config, which is built
+        # while the engine-core process starts), so a bad one fails before the model loads.
+        parser.exit(2, f"shoal serve: error: {exc}\n")
     except OSError as exc:
         logger.error("%s", exc)
         return 1

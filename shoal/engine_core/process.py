@@ -4,17 +4,23 @@ waits on a socket.
     frontend ──PUSH──► input thread ──queue──► busy loop ──queue──► output thread ──PUSH──► frontend
                         (recv, decode)          schedule → execute → update   (encode, send)
 
+The frontend starts this process before it has built the config, so that the seconds this
+process spends importing torch, transformers and the model code overlap with the frontend's own
+start-up; the config follows through a pipe (`run_engine_core_process`).
+
 The frontend binds both sockets; this process connects. Once the engine is built it sends
 READY; if anything fails (start-up or a step) it sends ENGINE_DEAD with the reason and exits.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
 import signal
 import threading
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -40,12 +46,34 @@ logger = logging.getLogger(__name__)
 UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "get_stats", "check_health"})
 
 
+# What an engine core imports whatever its model: the worker (torch, the model runner, layers
+# and kernels), and a Hugging Face config class, since the config carries the model's; Llama's
+# stands for all of them, which share the transformers machinery that makes up the cost.
+_PRELOAD_MODULES = ("shoal.workers.worker", "transformers.models.llama.configuration_llama")
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def run_engine_core_process(config_pipe: Connection, input_address: str, output_address: str) -> None:
+    """The process's entry point (spawned by the multiprocess clients before the frontend has
+    a config): import the heavy modules meanwhile, then run the engine core for the config that
+    arrives through `config_pipe`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
+    for name in _PRELOAD_MODULES:
+        importlib.import_module(name)
+    try:
+        config = config_pipe.recv()
+    except EOFError:  # the frontend stopped before it had a config (e.g. a bad argument)
+        return
+    finally:
+        config_pipe.close()
+    run_engine_core(config, input_address, output_address)
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """The process's entry point (spawned by the multiprocess clients)."""
+    """Run the engine core and its socket threads until SIGTERM or a failure."""
     from shoal.logger import configure_logging
 
     configure_logging()

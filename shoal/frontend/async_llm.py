@@ -32,13 +32,19 @@ StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
 
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, *, multiprocess: bool = True, log_stats: bool = True) -> None:
-        self.config: EngineConfig = engine_args.create_engine_config()
-        self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
-        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core: AsyncMPClient | AsyncInprocClient = (
-            AsyncMPClient(self.config) if multiprocess else AsyncInprocClient(self.config)
-        )
+        # The engine-core process starts first: its start-up (seconds of imports) overlaps with
+        # building the config and loading the tokenizer here.
+        self.engine_core: AsyncMPClient | AsyncInprocClient = AsyncMPClient() if multiprocess else AsyncInprocClient()
+        try:
+            self.config: EngineConfig = engine_args.create_engine_config()
+            self.engine_core.start(self.config)
+            self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+            self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.engine_core.wait_until_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.log_stats = log_stats
         self._stats = StatsTracker()
         self._listeners: list[StatsListener] = []

@@ -1,5 +1,10 @@
 """`EngineCoreClient`: how the frontend reaches the engine core.
 
+A client is made first, then `start(config)` builds the core, then `wait_until_ready()` waits
+for it. A multiprocess client starts the engine-core process when it is made, before the config
+exists, so that the process's start-up (seconds of importing torch, transformers and the model
+code) overlaps with the frontend building the config and loading the tokenizer.
+
 - `InprocClient`: the core in this process, stepped on demand (tests, simplest offline use).
 - `SyncMPClient`: the core in its own process over ZeroMQ; what `LLM` uses by default.
 - `AsyncMPClient`: the same for asyncio; what `AsyncLLM` and the server use. A reader thread
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -56,6 +62,14 @@ _MAIN_GUARD_HINT = (
 
 class EngineCoreClient(ABC):
     @abstractmethod
+    def start(self, config: EngineConfig) -> None:
+        """Build the engine core for `config`; it may still be starting when this returns."""
+
+    @abstractmethod
+    def wait_until_ready(self) -> None:
+        """Block until the engine core is built and can take requests."""
+
+    @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     @abstractmethod
@@ -74,10 +88,15 @@ class EngineCoreClient(ABC):
 
 
 class InprocClient(EngineCoreClient):
-    def __init__(self, config: EngineConfig) -> None:
+    core: Any = None
+
+    def start(self, config: EngineConfig) -> None:
         from shoal.engine_core.engine_core import EngineCore
 
         self.core = EngineCore(config)
+
+    def wait_until_ready(self) -> None:
+        pass  # `start` built the core
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.core.add_request(request)
@@ -92,7 +111,8 @@ class InprocClient(EngineCoreClient):
         return getattr(self.core, method)(*args)
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        if self.core is not None:
+            self.core.shutdown()
 
 
 # ---- the engine-core process and its sockets --------------------------------------------------
@@ -131,45 +151,52 @@ def _shutdown_live_clients() -> None:
 
 
 class MPClient:
-    """Starts the engine-core process and owns the two sockets to it."""
+    """Starts the engine-core process and owns the two sockets to it, and the pipe that
+    carries the process its config."""
 
-    def __init__(self, config: EngineConfig, transport: str = "ipc") -> None:
+    def __init__(self, transport: str = "ipc") -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             raise RuntimeError(_MAIN_GUARD_HINT)
         self._shutting_down = False
         self._reader_started = False
+        self.num_kv_blocks: int | None = None
         self.context = zmq.Context()
         input_address, self.output_address, self._ipc_dir = make_addresses(transport)
         self.input_socket = self.context.socket(zmq.PUSH)
         self.input_socket.bind(input_address)
         self.output_socket = self.context.socket(zmq.PULL)
         self.output_socket.bind(self.output_address)
-        from shoal.engine_core.process import run_engine_core
+        from shoal.engine_core.process import run_engine_core_process
 
         spawn = multiprocessing.get_context("spawn")
+        config_receiver, self._config_sender = spawn.Pipe(duplex=False)
         self.process = spawn.Process(
-            target=run_engine_core,
-            args=(config, input_address, self.output_address),
+            target=run_engine_core_process,
+            args=(config_receiver, input_address, self.output_address),
             name="shoal-engine-core",
             daemon=True,
         )
         self.process.start()
+        config_receiver.close()
         _LIVE_CLIENTS.add(self)
-        self.num_kv_blocks = self._wait_until_ready()
-        self._monitor = threading.Thread(target=self._watch_process, name="shoal-core-monitor", daemon=True)
-        self._monitor.start()
 
     @property
     def engine_core_pid(self) -> int | None:
         return self.process.pid
 
-    def _wait_until_ready(self) -> int:
+    def start(self, config: EngineConfig) -> None:
+        with contextlib.suppress(BrokenPipeError):  # the process died: wait_until_ready reports it
+            self._config_sender.send(config)
+        self._config_sender.close()
+
+    def wait_until_ready(self) -> None:
         """Wait for READY; a process that dies or reports failure first becomes an error."""
         while True:
             if self.output_socket.poll(timeout=200):
                 kind, message = decode(self.output_socket.recv_multipart())
                 if kind == MessageType.READY:
-                    return message.num_kv_blocks
+                    self.num_kv_blocks = message.num_kv_blocks
+                    break
                 if kind == MessageType.ENGINE_DEAD:
                     self._cleanup()
                     raise _core_error(message.message, "the engine core failed to start")
@@ -179,6 +206,8 @@ class MPClient:
                 raise RuntimeError(
                     f"the engine-core process exited during start-up (exit code {code}). " + _MAIN_GUARD_HINT
                 )
+        self._monitor = threading.Thread(target=self._watch_process, name="shoal-core-monitor", daemon=True)
+        self._monitor.start()
 
     def _watch_process(self) -> None:
         """Turn the process's death into an ENGINE_DEAD message for whoever is waiting."""
@@ -210,6 +239,7 @@ class MPClient:
 
     def _cleanup(self) -> None:
         self._shutting_down = True
+        self._config_sender.close()
         self.input_socket.close(linger=0)
         if not self._reader_started:
             self.output_socket.close(linger=0)
@@ -221,8 +251,8 @@ class MPClient:
 
 
 class SyncMPClient(MPClient, EngineCoreClient):
-    def __init__(self, config: EngineConfig, transport: str = "ipc") -> None:
-        super().__init__(config, transport)
+    def __init__(self, transport: str = "ipc") -> None:
+        super().__init__(transport)
         self._pending: deque[EngineCoreOutputs] = deque()
         self._call_ids = itertools.count()
         self._dead: str | None = None
@@ -270,8 +300,8 @@ class AsyncMPClient(MPClient):
     """The asyncio client. Outputs arrive through `get_output_async`; utility calls are
     matched to their replies by call id."""
 
-    def __init__(self, config: EngineConfig, transport: str = "ipc") -> None:
-        super().__init__(config, transport)
+    def __init__(self, transport: str = "ipc") -> None:
+        super().__init__(transport)
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
@@ -370,14 +400,20 @@ class AsyncInprocClient:
 
     engine_core_pid = None
     dead_error: EngineDeadError | None = None
+    core: Any = None
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._work: asyncio.Event | None = None
+
+    def start(self, config: EngineConfig) -> None:
         from shoal.engine_core.engine_core import EngineCore
 
         self.core = EngineCore(config)
         self.num_kv_blocks = self.core.num_kv_blocks
-        self._lock = threading.Lock()
-        self._work: asyncio.Event | None = None
+
+    def wait_until_ready(self) -> None:
+        pass  # `start` built the core
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._lock:
@@ -410,4 +446,5 @@ class AsyncInprocClient:
         return self._work
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        if self.core is not None:
+            self.core.shutdown()

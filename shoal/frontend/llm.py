@@ -39,12 +39,19 @@ class LLM:
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
             raise ValueError(f"unknown LLM arguments {unknown}; see shoal.config.EngineArgs")
-        self.config = EngineArgs(model=model, **kwargs).create_engine_config()
-        self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
-        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         # By default the engine core runs in its own process; multiprocess=False keeps it here.
-        self.engine_core: EngineCoreClient = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
+        # The process starts first: its imports overlap with the config and the tokenizer here.
+        self.engine_core: EngineCoreClient = SyncMPClient() if multiprocess else InprocClient()
+        try:
+            self.config = EngineArgs(model=model, **kwargs).create_engine_config()
+            self.engine_core.start(self.config)
+            self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+            self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            self.engine_core.wait_until_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self._request_counter = itertools.count()
 
     # ---- generation ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 
 import pytest
 
@@ -81,10 +82,13 @@ def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 
 
-def test_bad_engine_args_fail_before_starting(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_engine_args_fail_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
     from shoal.cli import main
 
+    children = set(multiprocessing.active_children())
     with pytest.raises(SystemExit) as exc_info:
-        main(["serve", "/no/such/model"])
+        main(["serve", "/no/such/model", "--port", "0"])
     assert exc_info.value.code == 2
     assert "not a local directory" in capsys.readouterr().err
+    # The engine-core process started before the config was built; it is gone again.
+    assert set(multiprocessing.active_children()) <= children
