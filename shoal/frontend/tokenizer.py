@@ -15,12 +15,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def get_tokenizer(path: str) -> Any | None:
     """The tokenizer in `path`; None for a folder with no tokenizer files (prompts must then be
     token ids, and outputs carry token ids but no text)."""
-    from transformers import AutoTokenizer
-
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
         logger.warning("%s has no tokenizer: prompts must be token ids, and outputs have no text", path)
         return None
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as exc:
