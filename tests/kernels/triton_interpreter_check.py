@@ -51,27 +51,40 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     _patch_interpreter_for_numpy_2_4()
-    from shoal.kernels.triton.paged_attention import triton_paged_attention
+    from shoal.kernels.triton import paged_attention as kernels
 
     failures = 0
-    for query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits in CASES:
-        query, kv_cache, md = make_paged_attention_inputs(
-            query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype
-        )
-        scale = head_size**-0.5
-        expected = paged_attention_ref(query, kv_cache, md, scale).float()
-        out = torch.full_like(query, float("nan"))
-        triton_paged_attention(
-            out, query, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
-            md.max_query_len, md.max_seq_len, scale, num_splits,
-        )  # fmt: skip
-        error = (out.float() - expected).abs().max().item()
-        tol = 1e-5 if dtype == torch.float32 else 5e-3
-        ok = error <= tol
-        failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} q={query_lens} s={seq_lens} heads={num_heads}/{num_kv_heads} "
-              f"hd={head_size} bs={block_size} {dtype} splits={num_splits}: max error {error:.2e}")  # fmt: skip
+    # The shipped launch parameters, then other tile shapes the sweep tries.
+    tunings = [
+        (kernels.DecodeTuning(), kernels.UnifiedTuning()),
+        (kernels.DecodeTuning(block_n=32, programs_per_sm=64), kernels.UnifiedTuning(block_m=128, block_n=32)),
+    ]
+    for (decode, unified), case in ((t, c) for t in tunings for c in CASES):
+        kernels.DECODE_TUNING, kernels.UNIFIED_TUNING = decode, unified
+        failures += not check(kernels.triton_paged_attention, *case)
+        print(f"   with {decode} {unified}")
     return 1 if failures else 0
+
+
+def check(
+    triton_paged_attention, query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits
+) -> bool:
+    query, kv_cache, md = make_paged_attention_inputs(
+        query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype
+    )
+    scale = head_size**-0.5
+    expected = paged_attention_ref(query, kv_cache, md, scale).float()
+    out = torch.full_like(query, float("nan"))
+    triton_paged_attention(
+        out, query, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+        md.max_query_len, md.max_seq_len, scale, num_splits,
+    )  # fmt: skip
+    error = (out.float() - expected).abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    ok = error <= tol
+    print(f"{'ok  ' if ok else 'FAIL'} q={query_lens} s={seq_lens} heads={num_heads}/{num_kv_heads} "
+          f"hd={head_size} bs={block_size} {dtype} splits={num_splits}: max error {error:.2e}")  # fmt: skip
+    return ok
 
 
 if __name__ == "__main__":

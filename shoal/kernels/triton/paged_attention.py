@@ -30,6 +30,7 @@ Softmax runs in base 2: scores are scaled by scale * log2(e) so that exp2 replac
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,6 +38,32 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its partial write than it saves
+
+
+@dataclass
+class DecodeTuning:
+    """Launch parameters of the decode kernel (benchmarks/sweep_attention.py sweeps them)."""
+
+    block_n: int = 128  # context positions per tile (at most 32 when the head size pads past 128)
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 16  # split contexts until the grid has this many programs per SM
+
+
+DECODE_TUNING = DecodeTuning()
+
+
+@dataclass
+class UnifiedTuning:
+    """Launch parameters of the unified (prefill and mixed) kernel, swept like DecodeTuning."""
+
+    block_m: int = 64  # query rows per program (query tokens x the heads sharing a KV head)
+    block_n: int = 32  # context positions per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+UNIFIED_TUNING = UnifiedTuning()
 
 
 @triton.jit
@@ -265,8 +292,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
-    """Split each context only as far as needed to give every SM about four programs."""
-    target = 4 * _num_sms(device)
+    """Split each context only as far as needed to give every SM `programs_per_sm` programs."""
+    target = DECODE_TUNING.programs_per_sm * _num_sms(device)
     max_splits = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
     if num_programs >= target or max_splits <= 1:
         return 1
@@ -295,7 +322,8 @@ def _unified_attention(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     heads_per_kv = num_heads // num_kv_heads
     num_reqs = seq_lens.shape[0]
-    block_m = max(64, triton.next_power_of_2(heads_per_kv))
+    tuning = UNIFIED_TUNING
+    block_m = max(tuning.block_m, triton.next_power_of_2(heads_per_kv))
     block_q = block_m // heads_per_kv
     head_pad = triton.next_power_of_2(head_size)
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
@@ -321,10 +349,10 @@ def _unified_attention(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=64 if head_pad <= 128 else 32,
+        BLOCK_N=tuning.block_n if head_pad <= 128 else min(tuning.block_n, 32),
         DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
     )
 
 
@@ -344,7 +372,8 @@ def _decode_attention(
     heads_per_kv = num_heads // num_kv_heads
     num_reqs = seq_lens.shape[0]
     head_pad = triton.next_power_of_2(head_size)
-    block_n = 64 if head_pad <= 128 else 32
+    tuning = DECODE_TUNING
+    block_n = tuning.block_n if head_pad <= 128 else min(tuning.block_n, 32)
     if num_splits <= 0:
         num_splits = choose_num_splits(num_reqs * num_kv_heads, max_seq_len, query.device)
     # Whole BLOCK_N tiles per split; a single split covers any context, whatever max_seq_len says.
@@ -386,8 +415,8 @@ def _decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=tuning.num_warps,
+        num_stages=tuning.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, num_heads)](

@@ -1,0 +1,163 @@
+"""Sweep the Triton attention kernels' launch parameters on the shapes the engine runs.
+
+Decode: each case is a decode batch over a paged cache with scattered blocks and context lengths
+drawn around a mean (as in a running engine); every (block_n, num_warps, num_stages,
+programs_per_sm) setting is timed with `triton.testing.do_bench` and reported with its achieved
+bandwidth. Unified (`--kernel unified`): prefill batches of fresh prompts (a step of
+max_num_batched_tokens), reported in TFLOP/s of causal attention. Prints the best settings per
+case and over all cases, and writes everything as JSON.
+
+    python3 benchmarks/sweep_attention.py --output sweep.json [--kernel unified]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shoal.kernels.triton import paged_attention as tpa
+
+BLOCK_SIZE = 16
+# (name, query heads, KV heads, batch, mean context, max_seq_len the graph was captured with)
+CASES = [
+    ("qwen3-0.6b b256 ctx~800", 16, 8, 256, 800, 4096),
+    ("qwen3-0.6b b64 ctx~800", 16, 8, 64, 800, 4096),
+    ("llama-8b b256 ctx~800", 32, 8, 256, 800, 4096),
+    ("llama-8b b1 ctx 400", 32, 8, 1, 400, 4096),
+    ("llama-8b b1 ctx 4000", 32, 8, 1, 4000, 4096),
+]
+GRID = {"block_n": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4), "programs_per_sm": (4, 16)}
+# (name, query heads, KV heads, prompts, prompt length): one prefill step of 8192 tokens
+UNIFIED_CASES = [
+    ("llama-8b 8 x 1024", 32, 8, 8, 1024),
+    ("qwen3-0.6b 16 x 512", 16, 8, 16, 512),
+]
+UNIFIED_GRID = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+
+
+def make_case(num_heads: int, num_kv_heads: int, batch: int, mean_ctx: int, head_size: int = 128):
+    generator = torch.Generator().manual_seed(0)
+    low, high = max(1, mean_ctx // 2), mean_ctx * 3 // 2
+    seq_lens = torch.randint(low, high + 1, (batch,), generator=generator) if batch > 1 else torch.tensor([mean_ctx])
+    blocks_per_req = -(-int(seq_lens.max()) // BLOCK_SIZE)
+    num_blocks = int(sum(-(-int(n) // BLOCK_SIZE) for n in seq_lens)) + 16
+    order = torch.randperm(num_blocks, generator=generator)  # scattered blocks, as after churn
+    block_tables = torch.zeros(batch, blocks_per_req, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(seq_lens.tolist()):
+        count = -(-n // BLOCK_SIZE)
+        block_tables[i, :count] = order[used : used + count].to(torch.int32)
+        used += count
+    device = torch.device("cuda")
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device=device)
+    query = torch.randn(batch, num_heads, head_size, dtype=torch.bfloat16, device=device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    kv_bytes = int(seq_lens.sum()) * num_kv_heads * head_size * 2 * 2
+    return query, kv_cache, query_start_loc, seq_lens.to(torch.int32).to(device), block_tables.to(device), kv_bytes
+
+
+def make_prefill(num_heads: int, num_kv_heads: int, num_prompts: int, length: int, head_size: int = 128):
+    device = torch.device("cuda")
+    num_tokens = num_prompts * length
+    blocks_per_req = -(-length // BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(0)
+    order = torch.randperm(num_prompts * blocks_per_req + 16, generator=generator)[: num_prompts * blocks_per_req]
+    block_tables = order.view(num_prompts, blocks_per_req).to(torch.int32).to(device)
+    kv_cache = torch.randn(
+        2, num_prompts * blocks_per_req + 16, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device=device
+    )
+    query = torch.randn(num_tokens, num_heads, head_size, dtype=torch.bfloat16, device=device)
+    query_start_loc = torch.arange(0, num_tokens + 1, length, dtype=torch.int32, device=device)
+    seq_lens = torch.full((num_prompts,), length, dtype=torch.int32, device=device)
+    flops = 4 * num_prompts * (length * (length + 1) // 2) * num_heads * head_size
+    return query, kv_cache, query_start_loc, seq_lens, block_tables, flops
+
+
+def sweep_unified(output: str) -> None:
+    results = []
+    default = tpa.UnifiedTuning()
+    for name, num_heads, num_kv_heads, num_prompts, length in UNIFIED_CASES:
+        query, kv_cache, qsl, seq_lens, block_tables, flops = make_prefill(num_heads, num_kv_heads, num_prompts, length)
+        out = torch.empty_like(query)
+        timings = []
+        for values in itertools.product(*UNIFIED_GRID.values()):
+            tpa.UNIFIED_TUNING = tpa.UnifiedTuning(**dict(zip(UNIFIED_GRID, values)))
+            try:
+                run = functools.partial(
+                    tpa.triton_paged_attention, out, query, kv_cache, qsl, seq_lens, block_tables, length, length, 0.088
+                )
+                ms = triton.testing.do_bench(run, warmup=5, rep=20)
+            except Exception as error:  # e.g. out of shared memory for a large tile
+                print(f"{name} {values}: {type(error).__name__}")
+                continue
+            timings.append({"tuning": dict(zip(UNIFIED_GRID, values)), "us": 1e3 * ms, "tflops": flops / ms / 1e9})
+        tpa.UNIFIED_TUNING = default
+        timings.sort(key=lambda t: t["us"])
+        base = next(t for t in timings if t["tuning"] == vars(default))
+        print(f"{name}: default {base['us']:.1f} us ({base['tflops']:.0f} TFLOP/s)")
+        for t in timings[:5]:
+            print(f"   {t['us']:8.1f} us  {t['tflops']:.0f} TFLOP/s  {t['tuning']}")
+        results.append({"case": name, "flops": flops, "default": base, "ranked": timings})
+    Path(output).write_text(json.dumps(results, indent=1))
+    print_overall(results)
+
+
+def print_overall(results: list[dict]) -> None:
+    """One setting for every case: the best mean of times relative to each case's best."""
+    scores: dict[str, float] = {}
+    for result in results:
+        best = result["ranked"][0]["us"]
+        for t in result["ranked"]:
+            key = json.dumps(t["tuning"], sort_keys=True)
+            scores[key] = scores.get(key, 0.0) + t["us"] / best
+    for key, score in sorted(scores.items(), key=lambda kv: kv[1])[:5]:
+        print(f"overall {score / len(results):.3f} x best: {key}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output", default="sweep_decode_attention.json")
+    parser.add_argument("--kernel", choices=("decode", "unified"), default="decode")
+    args = parser.parse_args()
+    if args.kernel == "unified":
+        sweep_unified(args.output)
+        return
+    results = []
+    default = tpa.DecodeTuning()
+    for name, num_heads, num_kv_heads, batch, mean_ctx, max_seq_len in CASES:
+        query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(num_heads, num_kv_heads, batch, mean_ctx)
+        out = torch.empty_like(query)
+        timings = []
+        for values in itertools.product(*GRID.values()):
+            tpa.DECODE_TUNING = tpa.DecodeTuning(**dict(zip(GRID, values)))
+            try:
+                run = functools.partial(
+                    tpa.triton_paged_attention, out, query, kv_cache, qsl, seq_lens, block_tables, 1, max_seq_len, 0.088
+                )
+                ms = triton.testing.do_bench(run, warmup=5, rep=20)
+            except Exception as error:  # e.g. out of shared memory for a large tile
+                print(f"{name} {values}: {type(error).__name__}")
+                continue
+            timings.append({"tuning": dict(zip(GRID, values)), "us": 1e3 * ms, "tb_per_s": kv_bytes / ms / 1e9})
+        tpa.DECODE_TUNING = default
+        timings.sort(key=lambda t: t["us"])
+        base = next(t for t in timings if t["tuning"] == vars(default))
+        print(f"{name}: default {base['us']:.1f} us ({base['tb_per_s']:.2f} TB/s)")
+        for t in timings[:5]:
+            print(f"   {t['us']:8.1f} us  {t['tb_per_s']:.2f} TB/s  {t['tuning']}")
+        results.append({"case": name, "kv_bytes": kv_bytes, "default": base, "ranked": timings})
+    Path(args.output).write_text(json.dumps(results, indent=1))
+    print_overall(results)
+
+
+if __name__ == "__main__":
+    main()
