@@ -101,6 +101,8 @@ def assert_same_logprobs(a: list | None, b: list | None) -> None:
 def test_async_scheduling_default_and_validation(tiny_checkpoints: dict) -> None:
     path = str(tiny_checkpoints["llama"])
     assert not EngineArgs(path, device="cpu").create_engine_config().scheduler_config.async_scheduling
-    assert EngineArgs(path, device="cpu", async_scheduling=True).create_engine_config().scheduler_config.async_scheduling
+    assert (
+        EngineArgs(path, device="cpu", async_scheduling=True).create_engine_config().scheduler_config.async_scheduling
+    )
     with pytest.raises(ValueError, match="async_scheduling needs one worker"):
         EngineArgs(path, device="cpu", tensor_parallel_size=2, async_scheduling=True).create_engine_config()

