@@ -122,7 +122,8 @@ def describe_bound(setup: OfflineSetup, bound: hardware.WorkloadBound | None) ->
         f"hardware bound on {c.device} ({c.device_name}: copy {format_rate(c.copy_bytes_per_s, 'B/s')}, "
         f"{c.gemm_dtype} GEMM {format_rate(c.gemm_flops_per_s, 'FLOP/s')}): {bound.bound_s:.3g} s = prefill "
         f"{bound.prefill_s:.3g} s + decode {bound.decode_s:.3g} s over {bound.num_steps:,} steps "
-        f"({bound.num_memory_bound_steps:,} memory-bound); model {format_rate(setup.shape.num_params, '')} params, "
+        f"({bound.num_memory_bound_steps:,} memory-bound), {bound.serial_bound_s:.3g} s with each step's weight "
+        f"and attention phases in series; model {format_rate(setup.shape.num_params, '')} params, "
         f"{format_rate(setup.shape.weight_bytes, 'B')} of weights, "
         f"{setup.shape.kv_bytes_per_token / 1024:.4g} KiB of KV cache per token"
     )

@@ -17,7 +17,15 @@ the next waiting one, so the batch shrinks at the end. Each step costs at least
     flops = 2 × layer params × new tokens + 2 × LM-head params × sampled tokens
             + 4 × layers × heads × head_dim × (query, key) pairs attention scores
 
-and the bound is the sum over steps. Left out: activations, the embedding lookup, norms and
+and the bound is the sum over steps. That max() assumes a step's weight traffic, its GEMMs and
+its attention all overlap. Kernels that run one after another cannot overlap them, so a second,
+*serial* bound charges each step its weight phase (weights and GEMM FLOPs) and its attention
+phase (KV cache and attention FLOPs) one after the other:
+
+    max(weight bytes / bw, GEMM flops / rate) + max(KV bytes / bw, attention flops / rate)
+
+At large decode batches the GEMMs turn compute-bound while attention stays memory-bound, and
+the two bounds part. Left out of both: activations, the embedding lookup, norms and
 rotary, sampling, CPU and launch overhead, and overlap between steps; chunked prefill that mixes
 prefill into decode steps would share their weight reads (so the real optimum can be a little
 lower). With tensor parallelism the model is assumed split evenly over `tp` devices, each with
@@ -255,6 +263,7 @@ class WorkloadBound:
     num_memory_bound_steps: int
     total_bytes: float
     total_flops: float
+    serial_bound_s: float = 0.0  # weight phase and attention phase of each step in series
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -270,22 +279,36 @@ def step_bytes_and_flops(shape: ModelShape, step: StepLoad) -> tuple[float, floa
     return shape.weight_bytes + kv_bytes, flops
 
 
+def step_phases(shape: ModelShape, step: StepLoad) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((bytes, flops) of the weight phase, (bytes, flops) of the attention phase)."""
+    weight_flops = 2 * shape.layer_params * step.num_tokens + 2 * shape.lm_head_params * step.num_sampled
+    kv_bytes = shape.kv_bytes_per_token * (step.kv_read_tokens + step.num_tokens)
+    return (shape.weight_bytes, weight_flops), (kv_bytes, shape.attention_flops_per_pair * step.attention_pairs)
+
+
 def workload_bound(
     shape: ModelShape, ceilings: DeviceCeilings, steps: list[StepLoad], tensor_parallel_size: int = 1
 ) -> WorkloadBound:
-    prefill_s = decode_s = total_bytes = total_flops = 0.0
+    prefill_s = decode_s = serial_s = total_bytes = total_flops = 0.0
     num_memory_bound = 0
+
+    def seconds(num_bytes: float, flops: float) -> tuple[float, float]:
+        return (
+            num_bytes / tensor_parallel_size / ceilings.copy_bytes_per_s,
+            flops / tensor_parallel_size / ceilings.gemm_flops_per_s,
+        )
+
     for step in steps:
         num_bytes, flops = step_bytes_and_flops(shape, step)
-        memory_s = num_bytes / tensor_parallel_size / ceilings.copy_bytes_per_s
-        compute_s = flops / tensor_parallel_size / ceilings.gemm_flops_per_s
+        memory_s, compute_s = seconds(num_bytes, flops)
         num_memory_bound += memory_s >= compute_s
         if step.is_prefill:
             prefill_s += max(memory_s, compute_s)
         else:
             decode_s += max(memory_s, compute_s)
+        serial_s += sum(max(seconds(*phase)) for phase in step_phases(shape, step))
         total_bytes += num_bytes
         total_flops += flops
     return WorkloadBound(
-        prefill_s + decode_s, prefill_s, decode_s, len(steps), num_memory_bound, total_bytes, total_flops
+        prefill_s + decode_s, prefill_s, decode_s, len(steps), num_memory_bound, total_bytes, total_flops, serial_s
     )

@@ -167,6 +167,9 @@ def make_report(setup: OfflineSetup, workload: Workload, results: dict[str, dict
     bound = setup.bound([r.prompt_len for r in workload.requests], [r.output_len for r in workload.requests])
     for result in results.values():
         result["achieved_share_of_bound"] = bound.bound_s / result["elapsed_s"] if bound is not None else None
+        result["achieved_share_of_serial_bound"] = (
+            bound.serial_bound_s / result["elapsed_s"] if bound is not None else None
+        )
     report: dict[str, Any] = {
         "benchmark": "throughput",
         "environment": environment(),

@@ -114,3 +114,15 @@ def test_measure_ceilings_on_cpu() -> None:
     ceilings = measure_ceilings("cpu", "float32", copy_bytes=8 << 20, gemm_size=256)
     assert ceilings.copy_bytes_per_s > 1e8 and ceilings.gemm_flops_per_s > 1e7
     assert (ceilings.device, ceilings.gemm_dtype, ceilings.gemm_size) == ("cpu", "float32", 256)
+
+
+def test_serial_bound_charges_the_weight_and_attention_phases_one_after_the_other() -> None:
+    ceilings = DeviceCeilings("cpu", "test", copy_bytes_per_s=1e4, gemm_flops_per_s=1e5, gemm_dtype="x", gemm_size=1)
+    step = StepLoad(num_tokens=100, num_sampled=100, kv_read_tokens=1000, attention_pairs=1000, is_prefill=False)
+    bound = workload_bound(SHAPE, ceilings, [step])
+    # Together: bytes 3000 + 64 × 1100 = 73,400 → 7.34 s beat flops 300,000 + 256,000 → 5.56 s.
+    assert bound.bound_s == pytest.approx(7.34)
+    # In series: GEMMs 300,000 flops → 3.0 s (weights 0.3 s), then attention 70,400 B → 7.04 s.
+    assert bound.serial_bound_s == pytest.approx(10.04)
+    one_step = workload_bound(SHAPE, CEILINGS, simulate_steps([9], [2], 8, 16))
+    assert one_step.serial_bound_s >= one_step.bound_s
