@@ -9,6 +9,10 @@ one engine per model shape so that dummy 8B weights are made once for several wo
 3. `shoal serve` of the Llama-3.1-8B shape with dummy weights: seconds from the command to the
    first 200 from /health and to the first completion, then 256 × (512 in, 128 out) at once
    (no tokenizer, so no text chunks: latency and throughput only, no TTFT/ITL).
+4. `sharegpt` (not in the default steps: it needs `tests/gpu/stage_sharegpt.py`'s folder,
+   --sharegpt-dir): ShareGPT prompts on the Llama-3.1-8B shape with a Llama-3 tokenizer, 64 at a
+   time, offline (max_num_seqs 64) and then over HTTP (a client keeping 64 streams open): the
+   served output tokens/s as a share of the offline run's, and TTFT / ITL p50 and p99.
 
 Each result is written to --out as soon as it finishes (the same JSON as `shoal bench`), and a
 summary table is printed at the end, also after a failure or an interrupt (timeout -s INT).
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +47,13 @@ from shoal.bench import latency, throughput  # noqa: E402
 from shoal.bench.common import prepare_offline  # noqa: E402
 from shoal.bench.report import format_table, print_lines, write_json  # noqa: E402
 from shoal.bench.serve import run_load, summarize_load, wait_until_healthy  # noqa: E402
-from shoal.bench.workloads import Workload, fixed_lengths, random_nano, random_token_ids  # noqa: E402
+from shoal.bench.workloads import (  # noqa: E402
+    Workload,
+    fixed_lengths,
+    random_nano,
+    random_token_ids,
+    sharegpt_requests,
+)
 from shoal.config import EngineArgs  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
@@ -61,6 +74,7 @@ class Plan:
     latency_iters: tuple[int, int]  # timed, warm-up
     ratio: tuple[int, int, int]
     serve_load: tuple[int, int, int]
+    sharegpt: tuple[int, int] = (500, 64)  # requests, concurrency
     big_label: str = "llama8b"
     small_label: str = "qwen3_0.6b"
     device: str = "auto"
@@ -81,7 +95,14 @@ H200 = Plan(
 
 
 def smoke_plan(model: Path) -> Plan:
-    sizes = dict(nano=(8, 10, 40), fixed=(16, 32, 8), latency=(1, 16, 16), ratio=(8, 32, 8), serve_load=(8, 32, 8))
+    sizes = dict(
+        nano=(8, 10, 40),
+        fixed=(16, 32, 8),
+        latency=(1, 16, 16),
+        ratio=(8, 32, 8),
+        serve_load=(8, 32, 8),
+        sharegpt=(12, 4),
+    )
     return Plan(
         model,
         model,
@@ -96,8 +117,8 @@ def smoke_plan(model: Path) -> Plan:
 
 
 class Suite:
-    def __init__(self, out: Path, plan: Plan) -> None:
-        self.out, self.plan = out, plan
+    def __init__(self, out: Path, plan: Plan, sharegpt_dir: Path | None = None) -> None:
+        self.out, self.plan, self.sharegpt_dir = out, plan, sharegpt_dir
         self.rows: list[list[Any]] = []
         self.start = time.perf_counter()
 
@@ -199,41 +220,21 @@ def small_model(suite: Suite) -> None:
         llm.shutdown()
 
 
-def serve(suite: Suite) -> None:
-    """Ready-to-answer time of `shoal serve` with the big model's dummy weights, then a short load."""
-    import httpx
-
+@contextlib.contextmanager
+def serving(suite: Suite, *flags: str) -> Iterator[tuple[str, list[str], float]]:
+    """`shoal serve` of the big model's dummy weights (plus `flags`) until the block ends; yields
+    its URL, its command and the seconds from the command to the first 200 from /health."""
     plan, url = suite.plan, f"http://127.0.0.1:{SERVE_PORT}"
     command = [sys.executable, "-m", "shoal.cli", "serve", str(plan.big_model), "--load-format", "dummy"]
     command += ["--dtype", plan.dtype, "--max-model-len", str(plan.max_model_len), "--device", plan.device]
-    command += ["--port", str(SERVE_PORT), "--disable-access-log", "--stats-interval", "0"]
-    vocab_size = json.loads((plan.big_model / "config.json").read_text())["vocab_size"]
+    command += ["--port", str(SERVE_PORT), "--disable-access-log", "--stats-interval", "0", *flags]
     log_path = Path("/tmp/shoal-bench-serve.log")
     with open(log_path, "wb") as log:
         start = time.perf_counter()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             wait_until_healthy(url, timeout_s=300)
-            health_s = time.perf_counter() - start
-            body = {
-                "prompt": random_token_ids(random.Random("probe"), 128, vocab_size),
-                "max_tokens": 16,
-                "ignore_eos": True,
-            }
-            httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
-            first_s = time.perf_counter() - start
-            suite.row(f"{plan.big_label} serve", "s to /health 200", health_s, note="from the command")
-            suite.row(f"{plan.big_label} serve", "s to 1st completion", first_s, note="128 in, 16 out")
-            n, i, o = plan.serve_load
-            records, duration = asyncio.run(
-                run_load(url, str(plan.big_model), fixed_lengths(n, i, o, vocab_size), math.inf, None)
-            )
-            load = summarize_load(records, duration)
-            note = f"{n} x ({i} in, {o} out) at once, {load['completed']} done"
-            suite.row(f"{plan.big_label} serve", "output tok/s", load["output_tokens_per_s"], note=note)
-            suite.row(f"{plan.big_label} serve", "latency ms p50", load["latency_ms"]["p50"])
-            report = {"command": command, "time_to_health_s": health_s, "time_to_first_completion_s": first_s}
-            suite.save(f"{plan.big_label}_serve", {**report, "load": load})
+            yield url, command, time.perf_counter() - start
         finally:
             process.send_signal(signal.SIGTERM)
             try:
@@ -244,17 +245,84 @@ def serve(suite: Suite) -> None:
             print_lines("---- shoal serve log (tail) ----", *tail)
 
 
-STEPS = {"llama8b": big_model, "qwen06b": small_model, "serve": serve}
+def serve(suite: Suite) -> None:
+    """Ready-to-answer time of `shoal serve` with the big model's dummy weights, then a short load."""
+    import httpx
+
+    plan = suite.plan
+    vocab_size = json.loads((plan.big_model / "config.json").read_text())["vocab_size"]
+    start = time.perf_counter()
+    with serving(suite) as (url, command, health_s):
+        body = {
+            "prompt": random_token_ids(random.Random("probe"), 128, vocab_size),
+            "max_tokens": 16,
+            "ignore_eos": True,
+        }
+        httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+        first_s = time.perf_counter() - start
+        suite.row(f"{plan.big_label} serve", "s to /health 200", health_s, note="from the command")
+        suite.row(f"{plan.big_label} serve", "s to 1st completion", first_s, note="128 in, 16 out")
+        n, i, o = plan.serve_load
+        records, duration = asyncio.run(
+            run_load(url, str(plan.big_model), fixed_lengths(n, i, o, vocab_size), math.inf, None)
+        )
+        load = summarize_load(records, duration)
+        note = f"{n} x ({i} in, {o} out) at once, {load['completed']} done"
+        suite.row(f"{plan.big_label} serve", "output tok/s", load["output_tokens_per_s"], note=note)
+        suite.row(f"{plan.big_label} serve", "latency ms p50", load["latency_ms"]["p50"])
+        report = {"command": command, "time_to_health_s": health_s, "time_to_first_completion_s": first_s}
+        suite.save(f"{plan.big_label}_serve", {**report, "load": load})
+
+
+def sharegpt(suite: Suite) -> None:
+    """ShareGPT prompts, `concurrency` at a time: offline, then over HTTP with streaming."""
+    from transformers import AutoTokenizer
+
+    if suite.sharegpt_dir is None:
+        raise ValueError("the sharegpt step needs --sharegpt-dir (made by tests/gpu/stage_sharegpt.py)")
+    plan, tokenizer_dir = suite.plan, suite.sharegpt_dir / "tokenizer"
+    num_requests, concurrency = plan.sharegpt
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    workload = sharegpt_requests(
+        tokenizer, num_requests, plan.max_model_len, path=suite.sharegpt_dir / "sharegpt.json", temperature=0.0
+    )
+    engine_args = dataclasses.replace(
+        suite.engine_args(plan.big_model), tokenizer=str(tokenizer_dir), max_num_seqs=concurrency
+    )
+    setup = prepare_offline(engine_args, measure_bound=False, in_process=False)
+    llm = setup.create_llm()
+    try:
+        offline = throughput.run_shoal(llm, workload, setup.config.model_config.vocab_size)
+    finally:
+        llm.shutdown()
+    flags = ("--tokenizer", str(tokenizer_dir), "--max-num-seqs", str(concurrency))
+    with serving(suite, *flags) as (url, command, _):
+        records, duration = asyncio.run(run_load(url, str(plan.big_model), workload, math.inf, concurrency))
+    load = summarize_load(records, duration)
+    label, share = f"{plan.big_label} sharegpt", load["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    note = f"{num_requests} prompts, {concurrency} at a time, {load['completed']} done"
+    suite.row(label, "offline output tok/s", offline["output_tokens_per_s"], note=f"max_num_seqs {concurrency}")
+    suite.row(label, "served output tok/s", load["output_tokens_per_s"], note=note)
+    suite.row(label, "served / offline", share, note="target >= 0.9")
+    for metric in ("ttft_ms", "itl_ms"):
+        suite.row(label, f"{metric} p50 / p99", load[metric]["p50"], note=f"p99 {load[metric]['p99']:.1f}")
+    report = {"command": command, "workload": workload.describe(), "offline": offline, "served": load}
+    suite.save(f"{plan.big_label}_sharegpt_c{concurrency}", {**report, "served_over_offline": share})
+
+
+STEPS = {"llama8b": big_model, "qwen06b": small_model, "serve": serve, "sharegpt": sharegpt}
+DEFAULT_STEPS = ["llama8b", "qwen06b", "serve"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", nargs="+", choices=list(STEPS), default=list(STEPS))
+    parser.add_argument("--only", nargs="+", choices=list(STEPS), default=DEFAULT_STEPS)
+    parser.add_argument("--sharegpt-dir", type=Path, default=None, help="tests/gpu/stage_sharegpt.py's folder")
     parser.add_argument("--smoke", type=Path, default=None, help="a tiny model folder: the same steps on CPU, small")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    suite = Suite(args.out, smoke_plan(args.smoke) if args.smoke else H200)
+    suite = Suite(args.out, smoke_plan(args.smoke) if args.smoke else H200, args.sharegpt_dir)
     failures = 0
     try:
         for name in args.only:
