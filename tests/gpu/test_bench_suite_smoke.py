@@ -11,7 +11,26 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("bench_suite.py")
-WORDS = "the quick brown fox jumps over the lazy dog while seven small birds sing in the tall trees".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "the",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "small",
+    "birds",
+    "sing",
+    "in",
+    "the",
+    "tall",
+    "trees",
+]
 
 
 def test_sharegpt_step_compares_served_with_offline(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
