@@ -28,13 +28,14 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
-from shoal.engine_core.batch import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner
 from shoal.workers.input_batch import InputBatch, RequestState
-from shoal.workers.sampler import Sampler, SamplerOutput, build_sampling_metadata, logprobs_lists
+from shoal.workers.sampler import Sampler, build_sampling_metadata
 from shoal.workers.step_buffers import StepBuffers
+from shoal.workers.step_output import FinishedStep, SampledStep
 
 logger = logging.getLogger(__name__)
 
@@ -55,65 +56,6 @@ class StepInputs:
     logits_indices: np.ndarray
     # Requests that want prompt logprobs: (req_id, rows, target token ids) computed this step.
     prompt_logprob_rows: list[tuple[str, np.ndarray, np.ndarray]]
-
-
-class SampledStep:
-    """A step's results still on the device; `result()` reads them back, which is the one
-    host synchronization of a step."""
-
-    def __init__(
-        self,
-        req_ids: list[str],
-        states: list[RequestState],
-        sampled: SamplerOutput | None,
-        prompt_logprobs: dict[str, tuple[torch.Tensor, ...]],
-        step_id: int,
-    ) -> None:
-        self.req_ids = req_ids
-        self.states = states
-        self.sampled = sampled
-        self.prompt_logprobs = prompt_logprobs
-        self.step_id = step_id
-        self.host_token_ids: torch.Tensor | None = None
-        self.copied: torch.cuda.Event | None = None
-        if sampled is not None and sampled.sampled_token_ids.is_cuda:
-            # Start the copy now; result() only waits for it.
-            token_ids = sampled.sampled_token_ids
-            self.host_token_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self.host_token_ids.copy_(token_ids, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-
-    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, LogprobsLists] = {}
-        if self.sampled is not None:
-            if self.copied is not None:
-                self.copied.synchronize()
-            token_ids = self.host_token_ids if self.host_token_ids is not None else self.sampled.sampled_token_ids
-            sampled = {s.req_id: [t] for s, t in zip(self.states, token_ids.tolist())}
-            if self.sampled.logprobs is not None:
-                logprobs = _split_logprobs(self.states, self.sampled)
-        return ModelRunnerOutput(
-            req_ids=self.req_ids,
-            sampled_token_ids=[sampled.get(r, []) for r in self.req_ids],
-            logprobs=logprobs,
-            prompt_logprobs={
-                req_id: LogprobsLists(*(t.tolist() for t in tensors))
-                for req_id, tensors in self.prompt_logprobs.items()
-            },
-            step_id=self.step_id,
-        )
-
-
-class FinishedStep:
-    """A step with nothing on the device to wait for."""
-
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self.output = output
-
-    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        return self.output
 
 
 class ModelRunner:
@@ -415,17 +357,3 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("the model is not loaded")
         return self.model
-
-
-def _split_logprobs(states: list[RequestState], result: SamplerOutput) -> dict[str, LogprobsLists]:
-    """The sampled rows' logprobs, for the requests that asked for them."""
-    assert result.logprob_token_ids is not None and result.logprobs is not None and result.sampled_ranks is not None
-    wanted = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
-    index = torch.tensor(wanted, device=result.logprobs.device)
-    lists = logprobs_lists(
-        result.logprob_token_ids[index],
-        result.logprobs[index],
-        result.sampled_ranks[index],
-        [states[i].sampling_params.logprobs for i in wanted],
-    )
-    return {states[i].req_id: lp for i, lp in zip(wanted, lists)}
