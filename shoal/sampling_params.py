@@ -82,6 +82,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
 
     @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling depends on the tokens generated so far (and the prompt)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

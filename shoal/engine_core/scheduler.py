@@ -150,9 +150,7 @@ class Scheduler:
         params = request.sampling_params
         num_pending = request.num_output_placeholders
         return (
-            params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0
+            not params.uses_penalties
             and request.num_output_tokens >= params.min_tokens
             and request.num_output_tokens + num_pending < request.max_tokens
             and request.num_tokens + num_pending < self.max_model_len

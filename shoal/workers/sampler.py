@@ -48,9 +48,7 @@ def build_sampling_metadata(states: list[RequestState], vocab_size: int, device:
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    use_penalties = any(
-        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
-    )
+    use_penalties = any(p.uses_penalties for p in params)
     return SamplingMetadata(
         temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
         greedy=column(greedy, torch.bool),
