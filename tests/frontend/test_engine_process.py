@@ -83,9 +83,11 @@ def runner():
         yield loop_runner
 
 
-@pytest.fixture(scope="module")
-def async_llm(llama: str):
-    engine = AsyncLLM(EngineArgs(model=llama))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def async_llm(llama: str, request: pytest.FixtureRequest):
+    """The server's engine, with the engine core scheduling one step at a time and, as on a GPU,
+    one step ahead (`async_scheduling`): streams, aborts and n>1 must behave the same."""
+    engine = AsyncLLM(EngineArgs(model=llama, async_scheduling=request.param))
     yield engine
     engine.shutdown()
 
