@@ -20,7 +20,15 @@ _READY = re.compile(r"shoal is serving (.+) at (http://\S+)/v1 \(engine core pid
 _START_TIMEOUT_S = 180.0
 DEMO_MAX_MODEL_LEN = 1024
 DEMO_KV_CACHE_BYTES = 256 * 1024**2
-DEMO_SERVER_ARGS = ["--max-model-len", str(DEMO_MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(DEMO_KV_CACHE_BYTES)]
+# The session's server schedules one step ahead, as it does on a GPU, so that every API test also
+# checks async scheduling against the offline LLM (which runs synchronously on CPU).
+DEMO_SERVER_ARGS = [
+    "--max-model-len",
+    str(DEMO_MAX_MODEL_LEN),
+    "--kv-cache-memory-bytes",
+    str(DEMO_KV_CACHE_BYTES),
+    "--async-scheduling",
+]
 
 
 class ServerProcess:
