@@ -26,6 +26,7 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [num_rows] float32, 1.0 on greedy rows
     greedy: torch.Tensor  # [num_rows] bool
     all_greedy: bool
+    any_greedy: bool
     top_k: torch.Tensor | None  # [num_rows] int64, 0 = off
     top_p: torch.Tensor | None  # [num_rows] float32
     min_p: torch.Tensor | None  # [num_rows] float32
@@ -53,6 +54,7 @@ def build_sampling_metadata(states: list[RequestState], vocab_size: int, device:
         temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
         greedy=column(greedy, torch.bool),
         all_greedy=all(greedy),
+        any_greedy=any(greedy),
         top_k=column([p.top_k for p in params], torch.int64) if any(p.top_k > 0 for p in params) else None,
         top_p=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1.0 for p in params) else None,
         min_p=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
@@ -100,11 +102,12 @@ class Sampler(torch.nn.Module):
         logits = apply_penalties(logits, metadata)
         for row, banned in metadata.min_tokens_mask:
             logits[row, banned] = -float("inf")
-        sampled = logits.argmax(dim=-1)
-        if not metadata.all_greedy:
-            probs = processed_probs(logits, metadata)
-            random = sample_from_probs(probs, metadata.generators)
-            sampled = torch.where(metadata.greedy, sampled, random)
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = sample_from_probs(processed_probs(logits, metadata), metadata.generators)
+            if metadata.any_greedy:  # the argmax only where some row needs it (a pass over the vocab)
+                sampled = torch.where(metadata.greedy, logits.argmax(dim=-1), sampled)
         output = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
             _gather_logprobs(output, raw_logprobs, sampled, metadata.max_num_logprobs)
