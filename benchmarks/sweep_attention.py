@@ -44,12 +44,17 @@ UNIFIED_CASES = [
 UNIFIED_GRID = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
 
-def make_case(num_heads: int, num_kv_heads: int, batch: int, mean_ctx: int, head_size: int = 128):
+def make_case(
+    num_heads: int, num_kv_heads: int, batch: int, mean_ctx: int, cache_gib: float = 0.0, head_size: int = 128
+):
     generator = torch.Generator().manual_seed(0)
     low, high = max(1, mean_ctx // 2), mean_ctx * 3 // 2
     seq_lens = torch.randint(low, high + 1, (batch,), generator=generator) if batch > 1 else torch.tensor([mean_ctx])
     blocks_per_req = -(-int(seq_lens.max()) // BLOCK_SIZE)
     num_blocks = int(sum(-(-int(n) // BLOCK_SIZE) for n in seq_lens)) + 16
+    # A cache as large as an engine's (cache_gib), the batch's blocks scattered over all of it.
+    block_bytes = 2 * BLOCK_SIZE * num_kv_heads * head_size * 2
+    num_blocks = max(num_blocks, int(cache_gib * 2**30 / block_bytes))
     order = torch.randperm(num_blocks, generator=generator)  # scattered blocks, as after churn
     block_tables = torch.zeros(batch, blocks_per_req, dtype=torch.int32)
     used = 0
@@ -58,7 +63,8 @@ def make_case(num_heads: int, num_kv_heads: int, batch: int, mean_ctx: int, head
         block_tables[i, :count] = order[used : used + count].to(torch.int32)
         used += count
     device = torch.device("cuda")
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device=device)
+    kv_cache = torch.empty(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device=device)
+    kv_cache.normal_()
     query = torch.randn(batch, num_heads, head_size, dtype=torch.bfloat16, device=device)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
     kv_bytes = int(seq_lens.sum()) * num_kv_heads * head_size * 2 * 2
@@ -127,6 +133,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="sweep_decode_attention.json")
     parser.add_argument("--kernel", choices=("decode", "unified"), default="decode")
+    parser.add_argument(
+        "--cache-gib", type=float, default=0.0, help="decode: spread the blocks over a cache this large (TLB effects)"
+    )
     args = parser.parse_args()
     if args.kernel == "unified":
         sweep_unified(args.output)
@@ -134,7 +143,9 @@ def main() -> None:
     results = []
     default = tpa.DecodeTuning()
     for name, num_heads, num_kv_heads, batch, mean_ctx, max_seq_len in CASES:
-        query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(num_heads, num_kv_heads, batch, mean_ctx)
+        query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(
+            num_heads, num_kv_heads, batch, mean_ctx, args.cache_gib
+        )
         out = torch.empty_like(query)
         timings = []
         for values in itertools.product(*GRID.values()):
@@ -155,6 +166,8 @@ def main() -> None:
         for t in timings[:5]:
             print(f"   {t['us']:8.1f} us  {t['tb_per_s']:.2f} TB/s  {t['tuning']}")
         results.append({"case": name, "kv_bytes": kv_bytes, "default": base, "ranked": timings})
+        del query, kv_cache, out  # before the next case allocates its own cache
+        torch.cuda.empty_cache()
     Path(args.output).write_text(json.dumps(results, indent=1))
     print_overall(results)
 
