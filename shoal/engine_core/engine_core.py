@@ -46,10 +46,7 @@ class EngineCore:
         self._check_capacity(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_kv_blocks)
-        # Pipeline parallelism keeps one batch in flight per stage; async scheduling keeps two,
-        # the one on the device and the next (see step_with_batch_queue).
-        pp_size = config.parallel_config.pipeline_parallel_size
-        self.batch_queue_size = pp_size if pp_size > 1 else 2 if config.scheduler_config.async_scheduling else 1
+        self.batch_queue_size = batches_in_flight(config)
         # (step, its future, seconds spent scheduling it, seconds spent launching it)
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture, float, float]] | None = (
             deque() if self.batch_queue_size > 1 else None
@@ -170,3 +167,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def batches_in_flight(config: EngineConfig) -> int:
+    """Pipeline parallelism keeps one batch in flight per stage; async scheduling keeps two, the
+    one on the device and the next (see `EngineCore.step_with_batch_queue`)."""
+    pp_size = config.parallel_config.pipeline_parallel_size
+    if pp_size > 1:
+        return pp_size
+    return 2 if config.scheduler_config.async_scheduling else 1
