@@ -222,7 +222,17 @@ class MPClient:
         notifier.close(linger=1000)
 
     def _send(self, kind: MessageType, message: Any) -> None:
-        self.input_socket.send_multipart(encode(kind, message), copy=False)
+        """Send to the engine core. A PUSH socket whose peer is gone blocks forever, so wait for
+        room in slices and fail once the process has died."""
+        frames = encode(kind, message)
+        while True:
+            try:
+                self.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if not self.process.is_alive():
+                    raise EngineDeadError(f"the engine-core process died (exit code {self.process.exitcode})") from None
+                self.input_socket.poll(timeout=100, flags=zmq.POLLOUT)
 
     def shutdown(self) -> None:
         if self._shutting_down:
@@ -263,7 +273,8 @@ class SyncMPClient(MPClient, EngineCoreClient):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self._dead is None and not self._shutting_down:
-            self._send(MessageType.ABORT, Abort(request_ids))
+            with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
+                self._send(MessageType.ABORT, Abort(request_ids))
 
     def get_output(self) -> EngineCoreOutputs:
         if self._pending:
@@ -357,7 +368,8 @@ class AsyncMPClient(MPClient):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_error is None and not self._shutting_down:
-            self._send(MessageType.ABORT, Abort(request_ids))
+            with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
+                self._send(MessageType.ABORT, Abort(request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         item = await self._ensure_reader().get()

@@ -63,6 +63,23 @@ def test_killed_engine_process_raises_engine_dead_quickly(llama: str) -> None:
         llm.shutdown()
 
 
+def test_requests_after_the_engine_process_is_gone_fail_instead_of_hanging(llama: str) -> None:
+    """Once the process is gone, its input socket has no peer, and a plain send would block."""
+    llm = LLM(llama)
+    try:
+        os.kill(llm.engine_core.engine_core_pid, signal.SIGKILL)
+        llm.engine_core.process.join(timeout=10)
+        time.sleep(0.5)  # ZeroMQ notices the disconnect
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        with pytest.raises(EngineDeadError):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 5
+    finally:
+        llm.shutdown()
+
+
 def test_unguarded_script_gets_a_clear_message(tmp_path, llama: str) -> None:
     script = tmp_path / "unguarded.py"
     script.write_text(
