@@ -57,6 +57,9 @@ class Scheduler:
         self.in_flight: Counter[str] = Counter()
         self._finished_req_ids: list[str] = []
         self._step_id = 0
+        # The requests each executing step was built for, by step id: an output must reach the
+        # request it was computed for, not a new one that reuses an aborted request's id.
+        self._scheduled: dict[int, dict[str, Request]] = {}
         self.num_preemptions = 0
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -235,6 +238,8 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             step_id=self._step_id,
         )
+        if num_scheduled:
+            self._scheduled[self._step_id] = {request_id: self.requests[request_id] for request_id in num_scheduled}
         # The scheduled tokens count as computed from now on: their KV is written this step. A
         # step that reaches past the known tokens samples one more: a placeholder until it is back.
         for request_id, num_tokens in num_scheduled.items():
@@ -251,13 +256,19 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append the sampled tokens, finish requests that stopped, and report to the frontend."""
         outputs = []
+        # Requests still as they were when the step was built (not aborted or finished since).
+        scheduled = {
+            request_id: request
+            for request_id, request in self._scheduled.pop(scheduler_output.step_id, {}).items()
+            if self.requests.get(request_id) is request
+        }
         step_starts = _step_starts(scheduler_output)
-        num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output, step_starts)
+        num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output, scheduled, step_starts)
         num_generation_tokens = 0
-        for request_id in scheduler_output.num_scheduled_tokens:
+        for request_id in scheduled:
             self._leave_flight(request_id)
         for request_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids, strict=True):
-            request = self.requests.get(request_id)
+            request = scheduled.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted, or finished by an earlier step, while this step ran
             if token_ids:
@@ -300,11 +311,13 @@ class Scheduler:
         else:
             self.in_flight.pop(request_id, None)
 
-    def _num_prompt_tokens_computed(self, scheduler_output: SchedulerOutput, step_starts: dict[str, int]) -> int:
+    def _num_prompt_tokens_computed(
+        self, scheduler_output: SchedulerOutput, scheduled: dict[str, Request], step_starts: dict[str, int]
+    ) -> int:
         """How many of the step's tokens were prompt positions."""
         total = 0
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
+            request = scheduled.get(request_id)
             if request is None:
                 continue  # aborted while the step ran
             start = step_starts[request_id]

@@ -642,6 +642,23 @@ def test_async_step_after_a_stop_is_dropped_and_frees_everything() -> None:
     assert_all_free(scheduler, 64)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_reused_request_id_gets_nothing_of_the_aborted_requests_step(async_scheduling: bool) -> None:
+    scheduler = make_scheduler(async_scheduling=async_scheduling)
+    add(scheduler, make_request("a", [11, 12, 13, 14]))
+    first = scheduler.schedule()
+    scheduler.abort_requests(["a"])
+    add(scheduler, make_request("a", [21, 22, 23, 24, 25, 26]))  # a new request, the same id
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"a": 6} and second.finished_req_ids == ["a"]
+    outputs = scheduler.update_from_output(first, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5]]))
+    assert outputs_by_id(outputs) == {}
+    new = scheduler.requests["a"]
+    assert new.output_token_ids == [] and scheduler.in_flight["a"] == 1 and new.num_output_placeholders == 1
+    outputs = scheduler.update_from_output(second, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[9]]))
+    assert outputs_by_id(outputs) == {"a": [9]} and new.num_output_placeholders == 0 and not scheduler.in_flight
+
+
 def test_duplicate_request_id_is_rejected() -> None:
     scheduler = make_scheduler()
     add(scheduler, make_request("a", 4))
