@@ -4,9 +4,12 @@ weights, 64 prompts (plain text and chat), the first 16 greedy tokens (up to EOS
 float32: shoal equals transformers on every prompt. bfloat16: rounding alone makes greedy
 decoding of this model diverge within 16 tokens on about a third of the prompts, whoever
 computes it: transformers' own SDPA and eager attention agree with each other on 41 of 64, and
-with transformers float32 on 45 and 44 (H200, 2026-12-01). So the bf16 bar is relative:
-taking transformers float32 as the truth, shoal bf16 must match it on as many prompts as the
-worse of transformers' two bf16 implementations, with a slack of three prompts (5%)."""
+with transformers float32 on 45 and 44 (shoal: 42; H200, 2026-12-01). Which prompts diverge
+shifts with any change of summation order, so such counts spread by about ±4 (one standard
+deviation) between correct bf16 implementations. The bf16 bar is therefore relative: taking
+transformers float32 as the truth, shoal bf16 must match it on as many prompts as the worse of
+transformers' two bf16 implementations, less 10% of the prompts. A real bf16 bug (a wrong rope,
+rounding or mask) diverges on most prompts and fails it; float32 must match exactly."""
 
 from __future__ import annotations
 
@@ -79,4 +82,4 @@ def test_demo_model_on_gpu_matches_transformers(demo_model_path: str) -> None:
     agree = {name: sum(a == b for a, b in zip(tokens, truth)) for name, tokens in runs.items()}
     print(f"SmolLM2 on GPU, prompts equal to transformers float32 for 16 tokens (of {len(prompts)}): {agree}")
     assert agree["shoal_fp32"] == len(prompts)
-    assert agree["shoal_bf16"] >= min(agree["hf_bf16_sdpa"], agree["hf_bf16_eager"]) - 3
+    assert agree["shoal_bf16"] >= min(agree["hf_bf16_sdpa"], agree["hf_bf16_eager"]) - len(prompts) // 10
