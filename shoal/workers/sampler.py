@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.engine_core.batch import LogprobsLists
+from shoal.kernels.gumbel_sample import fused_sampling_kernel
 from shoal.workers.input_batch import RequestState
 
 
@@ -105,13 +106,25 @@ class Sampler(torch.nn.Module):
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = sample_from_probs(processed_probs(logits, metadata), metadata.generators)
+            sampled = self._sample(logits, metadata)
             if metadata.any_greedy:  # the argmax only where some row needs it (a pass over the vocab)
                 sampled = torch.where(metadata.greedy, logits.argmax(dim=-1), sampled)
         output = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
             _gather_logprobs(output, raw_logprobs, sampled, metadata.max_num_logprobs)
         return output
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """A token per row from the processed distribution (greedy rows are replaced after).
+        Plain temperature batches may take the one-pass Gumbel-max kernel."""
+        if md.top_k is None and md.top_p is None and md.min_p is None and not md.generators:
+            op = fused_sampling_kernel(logits)
+            if op is not None:
+                sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+                op(sampled, logits, md.temperature, int(torch.randint(2**31 - 1, ())))  # the step's seed
+                return sampled
+        return sample_from_probs(processed_probs(logits, md), md.generators)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -1,0 +1,37 @@
+"""Checks any `gumbel_sample` implementation must pass (the reference, the Triton kernel under
+the interpreter, and the kernel on a GPU): samples follow softmax(logits / T) per row, masked
+tokens never come out, one seed gives one result, another seed another."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def check_gumbel_sampler(
+    sample: Callable[..., None], device: torch.device, num_rows: int, temperatures: tuple[float, ...] = (0.6, 1.0, 1.7)
+) -> list[str]:
+    failures = []
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 1.5, -0.5])
+    for temperature in temperatures:
+        logits = base.repeat(num_rows, 1).to(device)
+        temperatures = torch.full((num_rows,), temperature, device=device)
+        out = torch.empty(num_rows, dtype=torch.int64, device=device)
+        sample(out, logits, temperatures, 1234)
+        counts = torch.bincount(out.cpu(), minlength=len(base)).float()
+        expected = torch.softmax(base / temperature, dim=-1)
+        error = (counts / num_rows - expected).abs().max().item()
+        # Three standard deviations of a frequency estimated from num_rows draws.
+        if error > 3 * (0.25 / num_rows) ** 0.5:
+            failures.append(f"T={temperature}: frequencies {counts / num_rows} vs {expected} (max error {error:.3f})")
+        if counts[5] != 0:
+            failures.append(f"T={temperature}: a -inf logit was sampled")
+        again = torch.empty_like(out)
+        sample(again, logits, temperatures, 1234)
+        if not torch.equal(out, again):
+            failures.append(f"T={temperature}: the same seed gave different samples")
+        sample(again, logits, temperatures, 4321)
+        if torch.equal(out, again):
+            failures.append(f"T={temperature}: another seed gave the same samples")
+    return failures

@@ -1,0 +1,82 @@
+"""`gumbel_sample`: the reference, the Triton kernel under the interpreter (CPU) and on a GPU,
+and when the sampler uses it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.kernels.gumbel_sample import gumbel_sample_ref
+from shoal.kernels.triton import triton_available
+from shoal.sampling_params import SamplingParams
+from shoal.workers import sampler as sampler_module
+from shoal.workers.input_batch import RequestState
+from shoal.workers.sampler import Sampler, build_sampling_metadata
+from tests.kernels.gumbel_sample_cases import check_gumbel_sampler
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_reference_samples_the_softmax() -> None:
+    assert check_gumbel_sampler(gumbel_sample_ref, torch.device("cpu"), num_rows=4000) == []
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (make test installs it on x86-64)")
+def test_triton_kernel_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    command = [sys.executable, "-m", "tests.kernels.triton_sampling_check"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+def test_triton_kernel_on_gpu() -> None:
+    from shoal.kernels.triton.sampling import triton_gumbel_sample
+
+    assert check_gumbel_sampler(triton_gumbel_sample, torch.device("cuda"), num_rows=20000) == []
+    # A real vocabulary, bf16 logits: every row draws a valid id.
+    logits = torch.randn(256, 151936, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(256, dtype=torch.int64, device="cuda")
+    triton_gumbel_sample(out, logits, torch.full((256,), 0.6, device="cuda"), 7)
+    assert int(out.min()) >= 0 and int(out.max()) < 151936
+
+
+def states(*params: SamplingParams) -> list[RequestState]:
+    """As the input batch builds them: a seeded request brings its own generator."""
+    return [
+        RequestState(str(i), i, 1, p, None, None if p.seed is None else torch.Generator().manual_seed(p.seed))
+        for i, p in enumerate(params)
+    ]
+
+
+@pytest.mark.parametrize(
+    "params, fused",
+    [
+        ((SamplingParams(temperature=0.6), SamplingParams(temperature=1.0)), True),
+        ((SamplingParams(temperature=0.6), SamplingParams(temperature=0.0)), True),  # greedy rows: argmax after
+        ((SamplingParams(temperature=0.6, top_k=5),), False),
+        ((SamplingParams(temperature=0.6, top_p=0.9),), False),
+        ((SamplingParams(temperature=0.6, min_p=0.1),), False),
+        ((SamplingParams(temperature=0.6, seed=3),), False),  # a request's own generator
+    ],
+)
+def test_sampler_takes_the_fused_kernel_for_plain_temperature_batches(monkeypatch, params, fused: bool) -> None:
+    calls = []
+
+    def fake_kernel(out, logits, temperature, seed):
+        calls.append(seed)
+        gumbel_sample_ref(out, logits, temperature, seed)
+
+    monkeypatch.setattr(sampler_module, "fused_sampling_kernel", lambda logits: fake_kernel)
+    logits = torch.randn(len(params), 50)
+    metadata = build_sampling_metadata(states(*params), 50, torch.device("cpu"))
+    sampled = Sampler()(logits, metadata).sampled_token_ids
+    assert len(calls) == int(fused)
+    for row, p in enumerate(params):
+        if p.greedy:
+            assert int(sampled[row]) == int(logits[row].argmax())
