@@ -2,7 +2,7 @@
 # One call on a GPU machine for everything at once, when device time is short (about 8 minutes):
 # the GPU test suite (all of it but the demo model, which needs tests/gpu/stage_demo_model.sh),
 # the benchmark suite, then profiles of the Qwen3-0.6B and Llama-3.1-8B shapes at batch 256 and of
-# the 8B shape at batch 1. Carry a built shoal/_C.so (+ .json stamp) to skip the CUDA build.
+# the 8B shape at batch 1, and the Qwen3-0.6B nano run again with SHOAL_FUSED_SAMPLING=1. Carry a built shoal/_C.so (+ .json stamp) to skip the CUDA build.
 # Everything lands in $OUT/results.tgz (the device tool brings back at most 8 files); the summary
 # tables are printed.
 #   run(command="bash tests/gpu/final_run.sh", carry=[".whl", "shoal/_C.so", "shoal/_C.so.json"])
@@ -25,4 +25,8 @@ profile() {  # profile NAME MODEL PROMPTS INPUT OUTPUT
 profile qwen06b_b256 qwen3-0.6b 256 512 64
 profile llama8b_b256 llama-3.1-8b 256 512 64
 profile llama8b_b1 llama-3.1-8b 1 128 256
+# The one-pass sampling kernel against the general path (the suite's own qwen06b run above).
+mkdir -p "$RESULTS/fused_sampling"
+SHOAL_FUSED_SAMPLING=1 timeout 120 python3 tests/gpu/bench_suite.py --out "$RESULTS/fused_sampling" --only qwen06b \
+  2>&1 | grep -A4 "^summary"
 tar czf "$OUT/results.tgz" -C "$RESULTS" .
