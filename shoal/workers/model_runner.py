@@ -185,10 +185,8 @@ class ModelRunner:
         if not get_pp_group().is_last_rank:
             self._send_intermediate_tensors(hidden_states)
             return None
-        # Every tensor-parallel rank of the last stage takes part: the logits are all-gathered
-        # across the group. Only the sampling rank's tokens go back to the engine.
         step = self._sample(inputs, hidden_states, scheduler_output.step_id)
-        if not self.is_sampling_rank:
+        if step is None:
             return None
         return step if non_block else step.result()
 
@@ -317,22 +315,28 @@ class ModelRunner:
             rows.append((req_id, positions - first + query_start_loc[i], targets))
         return rows
 
-    def _sample(self, inputs: StepInputs, hidden_states: torch.Tensor, step_id: int) -> SampledStep:
-        """Launch logits and sampling for the rows that sample; nothing is read back here."""
+    def _sample(self, inputs: StepInputs, hidden_states: torch.Tensor, step_id: int) -> SampledStep | None:
+        """Logits on every tensor-parallel rank of the last stage (the LM head all-gathers
+        them); sampling, launched and not read back, only on the rank whose tokens go back to
+        the engine (None on the others)."""
         model = self._model
         states = [self.input_batch.requests[r] for r in inputs.sampling_req_ids]
-        result = None
-        self.prev_sampled, self.prev_sampled_rows = None, {}
+        logits = None
         if states:
             if len(states) == hidden_states.shape[0]:  # every row samples (a decode): no gather
                 logits = model.compute_logits(hidden_states)
             else:
                 logits = model.compute_logits(hidden_states[self._to_device(inputs.logits_indices)])
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
+        if not self.is_sampling_rank:
+            return None
+        result = None
+        self.prev_sampled, self.prev_sampled_rows = None, {}
+        if logits is not None:
             metadata = build_sampling_metadata(states, logits.shape[-1], self.device)
             result = self.sampler(logits, metadata)
             self.prev_sampled = result.sampled_token_ids
             self.prev_sampled_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_req_ids)}
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
         return SampledStep(inputs.req_ids, states, result, prompt_logprobs, step_id)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden_states: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
