@@ -159,6 +159,8 @@ class MPClient:
             raise RuntimeError(_MAIN_GUARD_HINT)
         self._shutting_down = False
         self._reader_started = False
+        # Set once ENGINE_DEAD arrives; every later call raises it.
+        self.dead_error: EngineDeadError | None = None
         self.num_kv_blocks: int | None = None
         self.context = zmq.Context()
         input_address, self.output_address, self._ipc_dir = make_addresses(transport)
@@ -234,6 +236,15 @@ class MPClient:
                     raise EngineDeadError(f"the engine-core process died (exit code {self.process.exitcode})") from None
                 self.input_socket.poll(timeout=100, flags=zmq.POLLOUT)
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_error is None and not self._shutting_down:
+            with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
+                self._send(MessageType.ABORT, Abort(request_ids))
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
     def shutdown(self) -> None:
         if self._shutting_down:
             return
@@ -265,16 +276,10 @@ class SyncMPClient(MPClient, EngineCoreClient):
         super().__init__(transport)
         self._pending: deque[EngineCoreOutputs] = deque()
         self._call_ids = itertools.count()
-        self._dead: str | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
         self._send(MessageType.ADD, request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self._dead is None and not self._shutting_down:
-            with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
-                self._send(MessageType.ABORT, Abort(request_ids))
 
     def get_output(self) -> EngineCoreOutputs:
         if self._pending:
@@ -298,13 +303,9 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def _receive(self) -> tuple[MessageType, Any]:
         kind, message = decode(self.output_socket.recv_multipart())
         if kind == MessageType.ENGINE_DEAD:
-            self._dead = message.message
-            raise EngineDeadError(message.message)
+            self.dead_error = EngineDeadError(message.message)
+            raise self.dead_error
         return kind, message
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
 
 
 class AsyncMPClient(MPClient):
@@ -317,7 +318,6 @@ class AsyncMPClient(MPClient):
         self._calls: dict[int, asyncio.Future] = {}
         self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.dead_error: EngineDeadError | None = None
 
     def _ensure_reader(self) -> asyncio.Queue:
         """Start the reader thread on first use, bound to the running event loop."""
@@ -366,11 +366,6 @@ class AsyncMPClient(MPClient):
         self._check_alive()
         self._send(MessageType.ADD, request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_error is None and not self._shutting_down:
-            with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
-                self._send(MessageType.ABORT, Abort(request_ids))
-
     async def get_output_async(self) -> EngineCoreOutputs:
         item = await self._ensure_reader().get()
         if isinstance(item, EngineDeadError):
@@ -386,10 +381,6 @@ class AsyncMPClient(MPClient):
         self._calls[call_id] = future
         self._send(MessageType.UTILITY, UtilityRequest(call_id, method, list(args)))
         return await future
-
-    def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
 
 
 def _utility_result(reply: UtilityOutput) -> Any:
