@@ -17,10 +17,10 @@ from typing import Any
 from shoal.config import EngineArgs, EngineConfig
 from shoal.errors import EngineDeadError
 from shoal.frontend.core_client import AsyncInprocClient, AsyncMPClient
-from shoal.frontend.input_processor import InputProcessor, PromptType
-from shoal.frontend.output_processor import OutputKind, OutputProcessor
+from shoal.frontend.input_processor import PromptType
+from shoal.frontend.output_processor import OutputKind
+from shoal.frontend.startup import start_engine
 from shoal.frontend.stats import IterationStats, StatsTracker
-from shoal.frontend.tokenizer import get_tokenizer
 from shoal.outputs import RequestOutput
 from shoal.protocol import SchedulerStats
 from shoal.sampling_params import SamplingParams
@@ -32,19 +32,11 @@ StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
 
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, *, multiprocess: bool = True, log_stats: bool = True) -> None:
-        # The engine-core process starts first: its start-up (seconds of imports) overlaps with
-        # building the config and loading the tokenizer here.
         self.engine_core: AsyncMPClient | AsyncInprocClient = AsyncMPClient() if multiprocess else AsyncInprocClient()
-        try:
-            self.config: EngineConfig = engine_args.create_engine_config()
-            self.engine_core.start(self.config)
-            self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
-            self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
-            self.output_processor = OutputProcessor(self.tokenizer)
-            self.engine_core.wait_until_ready()
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        self.config: EngineConfig
+        self.config, self.tokenizer, self.input_processor, self.output_processor = start_engine(
+            self.engine_core, engine_args
+        )
         self.log_stats = log_stats
         self._stats = StatsTracker()
         self._listeners: list[StatsListener] = []

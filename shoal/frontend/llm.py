@@ -18,9 +18,9 @@ from tqdm.auto import tqdm
 from shoal.config import EngineArgs
 from shoal.frontend.chat import Conversation, render_chat
 from shoal.frontend.core_client import EngineCoreClient, InprocClient, SyncMPClient
-from shoal.frontend.input_processor import InputProcessor, PromptType
-from shoal.frontend.output_processor import OutputKind, OutputProcessor
-from shoal.frontend.tokenizer import get_tokenizer
+from shoal.frontend.input_processor import PromptType
+from shoal.frontend.output_processor import OutputKind
+from shoal.frontend.startup import start_engine
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
@@ -40,18 +40,10 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM arguments {unknown}; see shoal.config.EngineArgs")
         # By default the engine core runs in its own process; multiprocess=False keeps it here.
-        # The process starts first: its imports overlap with the config and the tokenizer here.
         self.engine_core: EngineCoreClient = SyncMPClient() if multiprocess else InprocClient()
-        try:
-            self.config = EngineArgs(model=model, **kwargs).create_engine_config()
-            self.engine_core.start(self.config)
-            self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
-            self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
-            self.output_processor = OutputProcessor(self.tokenizer)
-            self.engine_core.wait_until_ready()
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        self.config, self.tokenizer, self.input_processor, self.output_processor = start_engine(
+            self.engine_core, EngineArgs(model=model, **kwargs)
+        )
         self._request_counter = itertools.count()
 
     # ---- generation ----------------------------------------------------------------------------
