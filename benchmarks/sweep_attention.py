@@ -88,31 +88,57 @@ def make_prefill(num_heads: int, num_kv_heads: int, num_prompts: int, length: in
     return query, kv_cache, query_start_loc, seq_lens, block_tables, flops
 
 
+def time_settings(case: str, grid: dict, tuning: str, run: functools.partial, work: float, unit: str) -> dict:
+    """Time the kernel `run` launches under every setting of `grid` (the module attribute
+    `tuning` of tpa holds it meanwhile); rank them, print the best five, and return the case's
+    result with each setting's rate in `unit` (`work` per second / 1e12)."""
+    default = getattr(tpa, tuning)
+    timings = []
+    for values in itertools.product(*grid.values()):
+        setting = dict(zip(grid, values))
+        setattr(tpa, tuning, type(default)(**setting))
+        try:
+            ms = triton.testing.do_bench(run, warmup=5, rep=20)
+        except Exception as error:  # e.g. out of shared memory for a large tile
+            print(f"{case} {values}: {type(error).__name__}")
+            continue
+        timings.append({"tuning": setting, "us": 1e3 * ms, unit: work / ms / 1e9})
+    setattr(tpa, tuning, default)
+    timings.sort(key=lambda t: t["us"])
+    base = next(t for t in timings if t["tuning"] == vars(default))
+    print(f"{case}: default {base['us']:.1f} us ({base[unit]:.2f} {unit})")
+    for t in timings[:5]:
+        print(f"   {t['us']:8.1f} us  {t[unit]:.2f} {unit}  {t['tuning']}")
+    return {"case": case, "default": base, "ranked": timings}
+
+
+def sweep_decode(output: str, cache_gib: float) -> None:
+    results = []
+    for name, num_heads, num_kv_heads, batch, mean_ctx, max_seq_len in CASES:
+        query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(
+            num_heads, num_kv_heads, batch, mean_ctx, cache_gib
+        )
+        out = torch.empty_like(query)
+        run = functools.partial(
+            tpa.triton_paged_attention, out, query, kv_cache, qsl, seq_lens, block_tables, 1, max_seq_len, 0.088
+        )
+        result = time_settings(name, GRID, "DECODE_TUNING", run, kv_bytes, "tb_per_s")
+        results.append({**result, "kv_bytes": kv_bytes})
+        del query, kv_cache, out, run  # before the next case allocates its own cache
+        torch.cuda.empty_cache()
+    Path(output).write_text(json.dumps(results, indent=1))
+    print_overall(results)
+
+
 def sweep_unified(output: str) -> None:
     results = []
-    default = tpa.UnifiedTuning()
     for name, num_heads, num_kv_heads, num_prompts, length in UNIFIED_CASES:
         query, kv_cache, qsl, seq_lens, block_tables, flops = make_prefill(num_heads, num_kv_heads, num_prompts, length)
         out = torch.empty_like(query)
-        timings = []
-        for values in itertools.product(*UNIFIED_GRID.values()):
-            tpa.UNIFIED_TUNING = tpa.UnifiedTuning(**dict(zip(UNIFIED_GRID, values)))
-            try:
-                run = functools.partial(
-                    tpa.triton_paged_attention, out, query, kv_cache, qsl, seq_lens, block_tables, length, length, 0.088
-                )
-                ms = triton.testing.do_bench(run, warmup=5, rep=20)
-            except Exception as error:  # e.g. out of shared memory for a large tile
-                print(f"{name} {values}: {type(error).__name__}")
-                continue
-            timings.append({"tuning": dict(zip(UNIFIED_GRID, values)), "us": 1e3 * ms, "tflops": flops / ms / 1e9})
-        tpa.UNIFIED_TUNING = default
-        timings.sort(key=lambda t: t["us"])
-        base = next(t for t in timings if t["tuning"] == vars(default))
-        print(f"{name}: default {base['us']:.1f} us ({base['tflops']:.0f} TFLOP/s)")
-        for t in timings[:5]:
-            print(f"   {t['us']:8.1f} us  {t['tflops']:.0f} TFLOP/s  {t['tuning']}")
-        results.append({"case": name, "flops": flops, "default": base, "ranked": timings})
+        run = functools.partial(
+            tpa.triton_paged_attention, out, query, kv_cache, qsl, seq_lens, block_tables, length, length, 0.088
+        )
+        results.append({**time_settings(name, UNIFIED_GRID, "UNIFIED_TUNING", run, flops, "tflops"), "flops": flops})
     Path(output).write_text(json.dumps(results, indent=1))
     print_overall(results)
 
@@ -139,37 +165,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.kernel == "unified":
         sweep_unified(args.output)
-        return
-    results = []
-    default = tpa.DecodeTuning()
-    for name, num_heads, num_kv_heads, batch, mean_ctx, max_seq_len in CASES:
-        query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(
-            num_heads, num_kv_heads, batch, mean_ctx, args.cache_gib
-        )
-        out = torch.empty_like(query)
-        timings = []
-        for values in itertools.product(*GRID.values()):
-            tpa.DECODE_TUNING = tpa.DecodeTuning(**dict(zip(GRID, values)))
-            try:
-                run = functools.partial(
-                    tpa.triton_paged_attention, out, query, kv_cache, qsl, seq_lens, block_tables, 1, max_seq_len, 0.088
-                )
-                ms = triton.testing.do_bench(run, warmup=5, rep=20)
-            except Exception as error:  # e.g. out of shared memory for a large tile
-                print(f"{name} {values}: {type(error).__name__}")
-                continue
-            timings.append({"tuning": dict(zip(GRID, values)), "us": 1e3 * ms, "tb_per_s": kv_bytes / ms / 1e9})
-        tpa.DECODE_TUNING = default
-        timings.sort(key=lambda t: t["us"])
-        base = next(t for t in timings if t["tuning"] == vars(default))
-        print(f"{name}: default {base['us']:.1f} us ({base['tb_per_s']:.2f} TB/s)")
-        for t in timings[:5]:
-            print(f"   {t['us']:8.1f} us  {t['tb_per_s']:.2f} TB/s  {t['tuning']}")
-        results.append({"case": name, "kv_bytes": kv_bytes, "default": base, "ranked": timings})
-        del query, kv_cache, out  # before the next case allocates its own cache
-        torch.cuda.empty_cache()
-    Path(args.output).write_text(json.dumps(results, indent=1))
-    print_overall(results)
+    else:
+        sweep_decode(args.output, args.cache_gib)
 
 
 if __name__ == "__main__":
