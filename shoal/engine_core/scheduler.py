@@ -52,13 +52,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # Request id → how many steps still executing include it (pipeline parallelism and
-        # async scheduling keep several steps in flight).
-        self.in_flight: Counter[str] = Counter()
         self._finished_req_ids: list[str] = []
         self._step_id = 0
-        # The requests each executing step was built for, by step id: an output must reach the
-        # request it was computed for, not a new one that reuses an aborted request's id.
+        # The requests each step still executing was built for, by step id (pipeline parallelism
+        # and async scheduling keep several steps in flight): an output must reach the request it
+        # was computed for, not a new one that reuses an aborted request's id.
         self._scheduled: dict[int, dict[str, Request]] = {}
         self.num_preemptions = 0
 
@@ -88,7 +86,21 @@ class Scheduler:
     def has_schedulable_requests(self) -> bool:
         if self.async_scheduling:
             return bool(self.requests)  # requests in flight may run ahead
-        return len(self.in_flight) < len(self.requests)
+        return not all(self._is_in_flight(request) for request in self.requests.values())
+
+    def _is_in_flight(self, request: Request) -> bool:
+        """Whether a step still executing includes this request."""
+        return any(step.get(request.request_id) is request for step in self._scheduled.values())
+
+    @property
+    def in_flight(self) -> Counter[str]:
+        """Request id → how many steps still executing include it."""
+        return Counter(
+            request_id
+            for step in self._scheduled.values()
+            for request_id, request in step.items()
+            if self.requests.get(request_id) is request
+        )
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -102,18 +114,17 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.request_id in self.in_flight and not self._may_run_ahead(request):
+            if self._is_in_flight(request) and not self._may_run_ahead(request):
                 index += 1
                 continue
             num_new_tokens = min(self._num_tokens_to_compute(request), budget)
             if num_new_tokens == 0:
                 index += 1
                 continue
-            blocks = self._allocate_or_preempt(request, num_new_tokens)
+            blocks = self._allocate_or_preempt(request, num_new_tokens, num_scheduled)
             if blocks is None:
                 break  # the request itself was preempted, or nothing could give way
             num_scheduled[request.request_id] = num_new_tokens
-            self.in_flight[request.request_id] += 1
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new_tokens
             index += 1
@@ -135,7 +146,6 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.time()
             num_scheduled[request.request_id] = num_new_tokens
-            self.in_flight[request.request_id] += 1
             scheduled_new.append(request)
             budget -= num_new_tokens
 
@@ -159,14 +169,16 @@ class Scheduler:
             and request.num_tokens + num_pending < self.max_model_len
         )
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, num_scheduled: dict[str, int]
+    ) -> list[KVCacheBlock] | None:
         """Allocate the request's new slots, preempting the newest running requests until they
         fit; None when the request itself was preempted or no request could give way."""
         while True:
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if blocks is not None:
                 return blocks
-            victim = self._newest_preemptible()
+            victim = self._newest_preemptible(num_scheduled)
             if victim is None:
                 return None
             self.running.remove(victim)
@@ -174,11 +186,11 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _newest_preemptible(self) -> Request | None:
-        """The newest running request that is neither scheduled in this step nor still
-        executing an earlier one (its output must come back before it may be rebuilt)."""
+    def _newest_preemptible(self, num_scheduled: dict[str, int]) -> Request | None:
+        """The newest running request that is neither scheduled in this step (`num_scheduled`)
+        nor still executing an earlier one (its output must come back before it may be rebuilt)."""
         for request in reversed(self.running):
-            if request.request_id not in self.in_flight:
+            if request.request_id not in num_scheduled and not self._is_in_flight(request):
                 return request
         return None
 
@@ -265,8 +277,6 @@ class Scheduler:
         step_starts = _step_starts(scheduler_output)
         num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output, scheduled, step_starts)
         num_generation_tokens = 0
-        for request_id in scheduled:
-            self._leave_flight(request_id)
         for request_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids, strict=True):
             request = scheduled.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -303,13 +313,6 @@ class Scheduler:
                 self._free_request(request)
         stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
-
-    def _leave_flight(self, request_id: str) -> None:
-        remaining = self.in_flight[request_id] - 1
-        if remaining > 0:
-            self.in_flight[request_id] = remaining
-        else:
-            self.in_flight.pop(request_id, None)
 
     def _num_prompt_tokens_computed(
         self, scheduler_output: SchedulerOutput, scheduled: dict[str, Request], step_starts: dict[str, int]
@@ -356,7 +359,6 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self.in_flight.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
 
     # ---- statistics and cache control -------------------------------------------------------
