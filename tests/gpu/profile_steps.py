@@ -6,6 +6,7 @@ busy, and the top kernels) and under cProfile (the host's Python functions by ow
 
     python3 tests/gpu/profile_steps.py --model benchmarks/configs/qwen3-0.6b --num-prompts 256 \
         --input-len 512 --output-len 64 --out $OUT/profile_qwen06b.txt
+    python3 tests/gpu/profile_steps.py --model benchmarks/configs/llama-3.1-8b --nano --out nano.txt
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from shoal import LLM, SamplingParams
+from shoal.bench.workloads import fixed_lengths, random_nano
 
 
 def main() -> None:
@@ -32,19 +34,23 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--nano", action="store_true", help="the nano-vllm protocol instead of fixed lengths")
     parser.add_argument("--out", required=True)
     parser.add_argument("--engine-arg", nargs="*", default=[], help="KEY=VALUE engine arguments (ints or bools)")
     args = parser.parse_args()
     extra = {k: _value(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, multiprocess=False, **extra)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    generator = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(100, vocab, (args.input_len,), generator=generator).tolist()}
-        for _ in range(args.num_prompts)
+    if args.nano:
+        workload = random_nano(vocab)
+    else:
+        workload = fixed_lengths(args.num_prompts, args.input_len, args.output_len, vocab, temperature=0.6)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [
+        SamplingParams(temperature=workload.temperature, max_tokens=r.output_len, ignore_eos=True)
+        for r in workload.requests
     ]
-    params = SamplingParams(temperature=0.6, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
 
     lines = []
     stats_before = llm.get_stats()
@@ -60,7 +66,7 @@ def main() -> None:
     steps = stats["num_steps"] - stats_before["num_steps"]
     own = (stats["step_s"] - stats_before["step_s"]) - (stats["execute_model_s"] - stats_before["execute_model_s"])
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    lines.append(f"workload {args.num_prompts} x ({args.input_len} in, {args.output_len} out), engine args {extra}")
+    lines.append(f"workload {workload.describe()}, engine args {extra}")
     lines.append(f"wall {wall:.3f} s (under the profiler), {steps} steps, {1e3 * wall / max(steps, 1):.3f} ms/step")
     lines.append(f"device kernel time {kernel_us / 1e6:.3f} s = {100 * kernel_us / 1e6 / wall:.1f}% of wall")
     lines.append(f"engine's own time (schedule + update) {1e6 * own / max(steps, 1):.0f} us/step")
