@@ -36,9 +36,9 @@ SHOAL_LOGGING_LEVEL: str = _str("SHOAL_LOGGING_LEVEL", "INFO")
 SHOAL_CPU_THREADS: int = _int("SHOAL_CPU_THREADS", 0)
 # Disable loading the compiled csrc library even where it is built.
 SHOAL_DISABLE_CSRC: bool = _bool("SHOAL_DISABLE_CSRC", False)
-# Sample plain temperature batches with the one-pass Gumbel-max kernel on CUDA (off until its
-# speed is measured against the general path: shoal/kernels/gumbel_sample.py).
-SHOAL_FUSED_SAMPLING: bool = _bool("SHOAL_FUSED_SAMPLING", False)
+# Sample plain temperature batches with the one-pass Gumbel-max kernel on CUDA
+# (shoal/kernels/gumbel_sample.py; 0 keeps the general path, e.g. to compare the two).
+SHOAL_FUSED_SAMPLING: bool = _bool("SHOAL_FUSED_SAMPLING", True)
 
 # The Ray cluster to join (Ray's own variable), when no ray_address is given.
 RAY_ADDRESS: str | None = os.environ.get("RAY_ADDRESS") or None

@@ -6,7 +6,7 @@ The sampler's general path materializes temperature-scaled logits, a softmax, ex
 and a quotient, each a full [rows, vocab] float32 tensor; the compiled op reads the logits once
 and draws its noise in registers from a counter-based generator keyed by `seed`. It serves
 batches without top-k, top-p, min-p or per-request seeds (those keep the general path), on CUDA
-when `SHOAL_FUSED_SAMPLING` is on.
+unless `SHOAL_FUSED_SAMPLING=0`.
 """
 
 from __future__ import annotations

@@ -98,6 +98,9 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        sampled = self._sample_in_one_pass(logits, metadata)
+        if sampled is not None:
+            return SamplerOutput(sampled_token_ids=sampled)
         logits = logits.float()  # [num_rows, vocab_size]
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs >= 0 else None
         logits = apply_penalties(logits, metadata)
@@ -106,7 +109,7 @@ class Sampler(torch.nn.Module):
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = self._sample(logits, metadata)
+            sampled = sample_from_probs(processed_probs(logits, metadata), metadata.generators)
             if metadata.any_greedy:  # the argmax only where some row needs it (a pass over the vocab)
                 sampled = torch.where(metadata.greedy, logits.argmax(dim=-1), sampled)
         output = SamplerOutput(sampled_token_ids=sampled)
@@ -115,16 +118,22 @@ class Sampler(torch.nn.Module):
         return output
 
     @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """A token per row from the processed distribution (greedy rows are replaced after).
-        Plain temperature batches may take the one-pass Gumbel-max kernel."""
-        if md.top_k is None and md.top_p is None and md.min_p is None and not md.generators:
-            op = fused_sampling_kernel(logits)
-            if op is not None:
-                sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-                op(sampled, logits, md.temperature, int(torch.randint(2**31 - 1, ())))  # the step's seed
-                return sampled
-        return sample_from_probs(processed_probs(logits, md), md.generators)
+    def _sample_in_one_pass(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+        """Plain temperature batches (no logprobs, penalties, min_tokens, top-k/p, min-p or
+        per-request seeds) take the one-pass Gumbel-max kernel straight from the model's logits,
+        without the float32 copy; None where the general path is needed."""
+        plain = md.max_num_logprobs < 0 and md.repetition_penalty is None and not md.min_tokens_mask
+        plain = plain and md.top_k is None and md.top_p is None and md.min_p is None and not md.generators
+        if not plain or md.all_greedy:
+            return None
+        op = fused_sampling_kernel(logits)
+        if op is None:
+            return None
+        sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        op(sampled, logits, md.temperature, int(torch.randint(2**31 - 1, ())))  # the step's seed
+        if md.any_greedy:  # bf16 -> float32 is exact, so this argmax is the general path's
+            sampled = torch.where(md.greedy, logits.argmax(dim=-1), sampled)
+        return sampled
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -63,6 +63,10 @@ def states(*params: SamplingParams) -> list[RequestState]:
         ((SamplingParams(temperature=0.6, top_p=0.9),), False),
         ((SamplingParams(temperature=0.6, min_p=0.1),), False),
         ((SamplingParams(temperature=0.6, seed=3),), False),  # a request's own generator
+        ((SamplingParams(temperature=0.6, logprobs=2),), False),  # logprobs need the float32 softmax
+        ((SamplingParams(temperature=0.6, repetition_penalty=1.2),), False),
+        ((SamplingParams(temperature=0.6, min_tokens=4),), False),
+        ((SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)), False),  # all greedy: argmax
     ],
 )
 def test_sampler_takes_the_fused_kernel_for_plain_temperature_batches(monkeypatch, params, fused: bool) -> None:
