@@ -2,7 +2,7 @@
 
 Decode: each case is a decode batch over a paged cache with scattered blocks and context lengths
 drawn around a mean (as in a running engine); every (block_n, num_warps, num_stages,
-programs_per_sm) setting is timed with `triton.testing.do_bench` and reported with its achieved
+programs_per_sm, split_below_per_sm) setting is timed with `triton.testing.do_bench` and reported with its achieved
 bandwidth. Unified (`--kernel unified`): prefill batches of fresh prompts (a step of
 max_num_batched_tokens), reported in TFLOP/s of causal attention. Prints the best settings per
 case and over all cases, and writes everything as JSON.
@@ -35,7 +35,13 @@ CASES = [
     ("llama-8b b1 ctx 400", 32, 8, 1, 400, 4096),
     ("llama-8b b1 ctx 4000", 32, 8, 1, 4000, 4096),
 ]
-GRID = {"block_n": (32, 64, 128), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4), "programs_per_sm": (4, 16)}
+GRID = {
+    "block_n": (32, 64, 128),
+    "num_warps": (2, 4),
+    "num_stages": (2, 3, 4),
+    "programs_per_sm": (4, 16),
+    "split_below_per_sm": (4, 16),
+}
 # (name, query heads, KV heads, prompts, prompt length): one prefill step of 8192 tokens
 UNIFIED_CASES = [
     ("llama-8b 8 x 1024", 32, 8, 8, 1024),

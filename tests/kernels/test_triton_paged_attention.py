@@ -33,6 +33,25 @@ def test_triton_paged_attention_under_the_interpreter():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize(
+    "batch, max_seq_len, splits",
+    [
+        (256, 4096, 1),  # 2,048 programs fill 132 SMs: no split, no reduce kernel
+        (129, 4096, 1),  # 1,032 programs: still at least 4 per SM
+        (64, 4096, 5),  # 512 programs: split towards 16 per SM (2,112)
+        (1, 4096, 16),  # one request: as many splits as 256-token pieces allow
+        (1, 300, 2),
+        (8, 200, 1),  # a context too short to split
+    ],
+)
+def test_decode_splits_only_grids_too_small_for_the_gpu(batch: int, max_seq_len: int, splits: int) -> None:
+    from shoal.kernels.triton.paged_attention import choose_num_splits
+
+    # 8 KV heads per request; the CPU stands in for a 132-SM H200.
+    assert choose_num_splits(batch * 8, max_seq_len, torch.device("cpu")) == splits
+
+
 def _triton_op():
     from shoal.kernels.triton.paged_attention import triton_paged_attention
 
