@@ -35,3 +35,24 @@ def check_gumbel_sampler(
         if torch.equal(out, again):
             failures.append(f"T={temperature}: another seed gave the same samples")
     return failures
+
+
+def check_across_chunks(sample: Callable[..., None], device: torch.device, num_rows: int) -> list[str]:
+    """A vocabulary of 3,000 with two strong tokens far apart (in different chunks of a split
+    row): each comes out with its softmax probability, and the best of them is found wherever
+    it lies."""
+    failures = []
+    logits = torch.zeros(num_rows, 3000, device=device)
+    logits[:, 100] = logits[:, 2900] = 8.0
+    out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    sample(out, logits, torch.ones(num_rows, device=device), 99)
+    expected = torch.softmax(logits[0].cpu(), dim=-1)[100].item()  # the same for token 2900
+    for token in (100, 2900):
+        frequency = (out.cpu() == token).float().mean().item()
+        if abs(frequency - expected) > 3 * (0.25 / num_rows) ** 0.5:
+            failures.append(f"token {token}: frequency {frequency:.3f}, expected {expected:.3f}")
+    logits[:, 2900] = 60.0  # certain, in the last chunk
+    sample(out, logits, torch.ones(num_rows, device=device), 99)
+    if not bool((out == 2900).all()):
+        failures.append(f"a certain token in the last chunk lost: {out.unique().tolist()}")
+    return failures

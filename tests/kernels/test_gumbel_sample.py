@@ -17,13 +17,14 @@ from shoal.sampling_params import SamplingParams
 from shoal.workers import sampler as sampler_module
 from shoal.workers.input_batch import RequestState
 from shoal.workers.sampler import Sampler, build_sampling_metadata
-from tests.kernels.gumbel_sample_cases import check_gumbel_sampler
+from tests.kernels.gumbel_sample_cases import check_across_chunks, check_gumbel_sampler
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_reference_samples_the_softmax() -> None:
     assert check_gumbel_sampler(gumbel_sample_ref, torch.device("cpu"), num_rows=4000) == []
+    assert check_across_chunks(gumbel_sample_ref, torch.device("cpu"), num_rows=4000) == []
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (make test installs it on x86-64)")
@@ -38,7 +39,10 @@ def test_triton_kernel_under_the_interpreter() -> None:
 def test_triton_kernel_on_gpu() -> None:
     from shoal.kernels.triton.sampling import triton_gumbel_sample
 
-    assert check_gumbel_sampler(triton_gumbel_sample, torch.device("cuda"), num_rows=20000) == []
+    cuda = torch.device("cuda")
+    assert check_gumbel_sampler(triton_gumbel_sample, cuda, num_rows=20000) == []
+    assert check_across_chunks(triton_gumbel_sample, cuda, num_rows=100) == []  # chunked: few rows
+    assert check_across_chunks(triton_gumbel_sample, cuda, num_rows=20000) == []  # one chunk per row
     # A real vocabulary, bf16 logits: every row draws a valid id.
     logits = torch.randn(256, 151936, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(256, dtype=torch.int64, device="cuda")
