@@ -33,9 +33,10 @@ class Attention(nn.Module):
         # A plain attribute, not a buffer: the runner owns the cache and binds it here.
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cached: bool = False) -> torch.Tensor:
         """q [num_tokens, num_heads * head_dim], k and v [num_tokens, num_kv_heads * head_dim]
-        -> [num_tokens, num_heads * head_dim]."""
+        -> [num_tokens, num_heads * head_dim]. `kv_cached`: the caller already wrote k and v to
+        the cache (shoal/kernels/rope_and_cache.py fuses that write with the rotary embedding)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
@@ -46,7 +47,8 @@ class Attention(nn.Module):
         else:
             if self.kv_cache is None:
                 raise RuntimeError("attention ran with metadata but no KV cache bound to the layer")
-            reshape_and_cache(k, v, self.kv_cache, attn_metadata.slot_mapping)
+            if not kv_cached:
+                reshape_and_cache(k, v, self.kv_cache, attn_metadata.slot_mapping)
             out = paged_attention(q, self.kv_cache, attn_metadata, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
 

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from shoal.distributed.parallel_state import get_pp_group, pp_layer_range
+from shoal.forward_context import get_forward_context
+from shoal.kernels.rope_and_cache import fused_rope_and_cache_available, rope_and_cache
 from shoal.layers.activation import SiluAndMul
 from shoal.layers.attention import Attention
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -113,11 +115,36 @@ class LlamaAttention(nn.Module):
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
+    def qk_norm_params(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q_norm weight, k_norm weight, eps) when `normalize_qk` is a per-head RMSNorm, for the
+        fused kernel; None when q and k are not normalized."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views, [num_tokens, *_size]
+        if self._try_fused_rope_and_cache(positions, qkv):
+            return self.o_proj(self.attn(q, k, v, kv_cached=True))
         q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
         return self.o_proj(self.attn(q, k, v))
+
+    def _try_fused_rope_and_cache(self, positions: torch.Tensor, qkv: torch.Tensor) -> bool:
+        """On CUDA in float16/bfloat16 with a bound cache: q/k norm, rotary and the cache write as
+        one kernel, in place in qkv (at decode the separate launches cost more than their work).
+        False, having done nothing, on CPU, in float32 (kept bit-identical with Hugging Face) and
+        in runs without attention metadata."""
+        if not fused_rope_and_cache_available(qkv):
+            return False
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None or self.attn.kv_cache is None:
+            return False
+        q_norm_weight, k_norm_weight, eps = self.qk_norm_params() or (None, None, 1e-6)
+        rope_and_cache(
+            positions, qkv, self.attn.kv_cache, attn_metadata.slot_mapping, self.rotary_emb.cos_sin_cache,
+            self.attn.num_heads, self.attn.num_kv_heads, self.head_dim, self.rotary_emb.is_neox_style,
+            q_norm_weight, k_norm_weight, eps,
+        )  # fmt: skip
+        return True
 
 
 def _add_and_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

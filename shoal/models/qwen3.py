@@ -30,6 +30,9 @@ class Qwen3Attention(LlamaAttention):
         k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim))  # [num_tokens, num_kv_heads, head_dim]
         return q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)  # [num_tokens, num_(kv_)heads * head_dim]
 
+    def qk_norm_params(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention

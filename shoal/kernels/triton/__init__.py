@@ -23,8 +23,10 @@ def register_triton_kernels() -> bool:
         return False
     from shoal.kernels.dispatch import register_kernel
     from shoal.kernels.triton.paged_attention import triton_paged_attention
+    from shoal.kernels.triton.rope_and_cache import triton_rope_and_cache
     from shoal.kernels.triton.sampling import triton_gumbel_sample
 
     register_kernel("paged_attention", triton_paged_attention)
     register_kernel("gumbel_sample", triton_gumbel_sample)
+    register_kernel("rope_and_cache", triton_rope_and_cache)
     return True
