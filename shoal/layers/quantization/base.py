@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels.gemv import gemv_kernel_for
 from shoal.layers.weight_utils import new_parameter
 
 WeightLoader = Callable[..., None]
@@ -38,10 +39,17 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The weight in the model's dtype, applied with F.linear."""
+    """The weight in the model's dtype, applied with F.linear, or at decode batch sizes with the
+    gemv kernel where it is faster (shoal/kernels/gemv.py)."""
 
     def create_weights(self, layer: Any, weight_loader: WeightLoader) -> None:
         layer.weight = new_parameter(layer.output_size, layer.input_size, weight_loader=weight_loader)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        kernel = gemv_kernel_for(rows, layer.weight)
+        if kernel is None:
+            return F.linear(x, layer.weight, bias)
+        out = rows.new_empty(rows.shape[0], layer.weight.shape[0])
+        kernel(out, rows, layer.weight, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,61 @@
+"""`gemv`: out = x W^T (+ bias) for a few rows of x (a decode step's tokens), W [N, K] row-major.
+
+At batch 1 to 4 a linear layer is a read of its weight. cuBLAS reaches most of the memory
+bandwidth on the wide MLP matrices but less on the narrow attention projections, where it splits
+K into small tiles and adds a reduction kernel; the Triton kernel (shoal/kernels/triton/gemv.py)
+reads each weight row once in wide tiles instead. `use_gemv` says for which shapes it is taken;
+everything else, and every CPU or float32 tensor, stays with F.linear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels.dispatch import registered_kernel
+
+GemvKernel = Callable[..., object]  # kernel(out, x, weight, bias)
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def gemv_ref(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])."""
+    out.copy_(F.linear(x, weight, bias))
+
+
+def use_gemv(num_rows: int, n: int, k: int) -> bool:
+    """Whether the Triton kernel beats F.linear for x [num_rows, k] and a weight [n, k].
+
+    Set from benchmarks/bench_gemv.py on an H200 (bf16): the kernel is meant for the narrow
+    projections at decode batch sizes (Llama-3.1-8B's qkv and o_proj), where cuBLAS falls short
+    of the bandwidth; the MLP matrices and the LM head, which cuBLAS already streams well, and
+    larger batches stay with F.linear.
+    """
+    return 1 <= num_rows <= 4 and n > 0 and k > 0 and n * k <= 64 * 2**20
+
+
+def gemv_kernel_for(x: torch.Tensor, weight: torch.Tensor) -> GemvKernel | None:
+    """The registered gemv kernel, called as kernel(out, x, weight, bias), when it serves x [M, K]
+    times this weight: CUDA, float16 or bfloat16 in both, K contiguous, and a shape `use_gemv`
+    takes. None: use F.linear."""
+    if x.dim() != 2 or weight.dim() != 2 or x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        return None
+    if not use_gemv(x.shape[0], weight.shape[0], weight.shape[1]) or x.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    kernel = registered_kernel("gemv", x)
+    if kernel is None:
+        return None
+    from shoal.kernels.triton.gemv import GEMV_TUNING  # importable: a kernel is registered
+
+    return kernel if x.shape[0] <= GEMV_TUNING.max_rows else None
+
+
+def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    kernel = gemv_kernel_for(x, weight)
+    if kernel is None:
+        gemv_ref(out, x, weight, bias)
+    else:
+        kernel(out, x, weight, bias)

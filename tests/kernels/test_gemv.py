@@ -1,0 +1,93 @@
+"""`gemv`: the reference, the Triton kernel under the interpreter (CPU) and on a GPU, and when the
+unquantized linear method takes it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels import gemv as gemv_module
+from shoal.kernels.gemv import gemv, gemv_kernel_for, gemv_ref, use_gemv
+from shoal.kernels.triton import triton_available
+from shoal.layers.linear import ReplicatedLinear
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_reference_is_f_linear(has_bias: bool) -> None:
+    x, weight = torch.randn(3, 16), torch.randn(5, 16)
+    bias = torch.randn(5) if has_bias else None
+    out = torch.empty(3, 5)
+    gemv_ref(out, x, weight, bias)
+    assert torch.equal(out, F.linear(x, weight, bias))
+    on_cpu = torch.empty(3, 5)
+    gemv(on_cpu, x, weight, bias)  # the wrapper runs the reference on CPU
+    assert torch.equal(on_cpu, out)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (make test installs it on x86-64)")
+def test_triton_kernel_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    command = [sys.executable, "-m", "tests.kernels.triton_gemv_check"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096)])  # Llama-3.1-8B qkv and o_proj
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_triton_kernel_on_gpu(n: int, k: int, rows: int) -> None:
+    from shoal.kernels.triton.gemv import GemvTuning, triton_gemv
+
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    for tuning in (GemvTuning(), GemvTuning(programs_per_sm=8)):  # one pass, and split-K
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        triton_gemv(out, x, weight, bias, tuning)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    assert gemv_kernel_for(x, weight) is not None  # the shapes the kernel is meant for
+    linear = F.linear(x, weight, bias).double()
+    torch.testing.assert_close(out.double(), linear, rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_and_float32_stay_with_f_linear() -> None:
+    assert use_gemv(1, 4096, 4096) and use_gemv(4, 6144, 4096)
+    assert not use_gemv(1, 28672, 4096) and not use_gemv(1, 128256, 4096) and not use_gemv(16, 4096, 4096)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert gemv_kernel_for(torch.randn(1, 64, dtype=dtype), torch.randn(32, 64, dtype=dtype)) is None
+    layer = ReplicatedLinear(64, 32, bias=True)
+    layer.weight.data.normal_()  # parameters start uninitialized (possibly NaN)
+    layer.bias.data.normal_()
+    x = torch.randn(1, 64)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.skipif(not triton_available(), reason="gemv_kernel_for reads the kernel's tuning from its module")
+def test_linear_takes_a_registered_kernel_for_half_precision_only(monkeypatch) -> None:
+    calls = []
+
+    def fake_kernel(out, x, weight, bias):
+        calls.append(x.shape)
+        gemv_ref(out, x, weight, bias)
+
+    monkeypatch.setattr(gemv_module, "registered_kernel", lambda name, tensor: fake_kernel)
+    assert gemv_kernel_for(torch.randn(1, 64), torch.randn(32, 64)) is None
+    assert gemv_kernel_for(torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)) is None
+    layer = ReplicatedLinear(64, 32, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(1, 64)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and calls == []
+    x = torch.randn(2, 1, 64, dtype=torch.bfloat16)  # leading dims flattened into rows
+    layer = layer.to(torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls == [(2, 64)]

@@ -1,0 +1,63 @@
+"""Run the Triton gemv kernel under Triton's interpreter on CPU tensors and compare it with the
+product in float64; exits non-zero on a mismatch.
+
+    TRITON_INTERPRET=1 python -m tests.kernels.triton_gemv_check
+
+test_gemv.py runs this in a subprocess, because the interpreter is chosen when the kernels are
+decorated, at import. The kernel multiplies on the CUDA cores (no tl.dot), so bfloat16 runs
+under the interpreter as well as float16; the interpreter rounds float32 to bfloat16 toward zero
+(the GPU to nearest), hence bfloat16's looser bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import torch
+
+# (rows, N, K): N not a multiple of block_n, K a multiple of block_k or not, rows 1 to 5 and 8.
+SHAPES = [(1, 37, 200), (2, 37, 256), (3, 16, 130), (4, 21, 64), (5, 9, 300), (8, 13, 128)]
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+
+    _patch_interpreter_for_numpy_2_4()
+    from shoal.kernels.triton.gemv import GemvTuning, triton_gemv
+
+    # Small tiles so that the shapes above span several of them; then split-K (on CPU tensors
+    # the kernel counts one SM, so programs_per_sm 16 splits every shape with several K tiles).
+    tunings = [
+        GemvTuning(block_n=8, block_k=64),
+        GemvTuning(block_n=4, block_k=32, programs_per_sm=16, reduce_block=16),
+    ]
+    failures = 0
+    for tuning, (rows, n, k), dtype, has_bias in itertools.product(tunings, SHAPES, DTYPES, (False, True)):
+        failures += not check(triton_gemv, tuning, rows, n, k, dtype, has_bias)
+    return 1 if failures else 0
+
+
+def check(triton_gemv, tuning, rows: int, n: int, k: int, dtype: torch.dtype, has_bias: bool) -> bool:
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype) if has_bias else None
+    expected = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    out = torch.full((rows, n), float("nan"), dtype=dtype)
+    triton_gemv(out, x, weight, bias, tuning)
+    # fp32 accumulation, one rounding to the output dtype: error relative to the output's scale.
+    error = ((out.double() - expected).abs() / (expected.abs() + 1)).max().item()
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    ok = error <= tol
+    print(f"{'ok  ' if ok else 'FAIL'} rows={rows} n={n} k={k} {dtype} bias={has_bias} "
+          f"block_n={tuning.block_n} block_k={tuning.block_k} programs_per_sm={tuning.programs_per_sm}: "
+          f"max relative error {error:.2e}")  # fmt: skip
+    return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())
