@@ -32,10 +32,11 @@ DEFAULT_BUILD_DIR = REPO_ROOT / "build"
 
 
 def fingerprint(archs: str) -> str:
-    """sha256 over every file under csrc/ and CMakeLists.txt (names and bytes), the torch version
-    and the architectures."""
+    """sha256 over every file under csrc/ but its documentation, and CMakeLists.txt (names and
+    bytes), the torch version and the architectures: a change that can alter the library asks for
+    a rebuild (minutes, mostly CUTLASS), an edit of csrc/README.md does not."""
     digest = hashlib.sha256()
-    sources = sorted(p for p in (REPO_ROOT / "csrc").rglob("*") if p.is_file())
+    sources = sorted(p for p in (REPO_ROOT / "csrc").rglob("*") if p.is_file() and p.suffix != ".md")
     for path in [*sources, REPO_ROOT / "CMakeLists.txt"]:
         digest.update(str(path.relative_to(REPO_ROOT)).encode())
         digest.update(path.read_bytes())

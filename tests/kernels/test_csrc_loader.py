@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -48,9 +49,19 @@ def test_disabled_by_the_environment(fresh_loader, monkeypatch, caplog):
     assert "SHOAL_DISABLE_CSRC" in _fallback_lines(caplog)[0]
 
 
-def test_fingerprint_follows_sources_and_architectures():
+def test_fingerprint_follows_sources_and_architectures(monkeypatch, tmp_path):
     assert build.fingerprint("90a") == build.fingerprint("90a")
     assert build.fingerprint("90a") != build.fingerprint("90a;100a")
+    shutil.copytree(build.REPO_ROOT / "csrc", tmp_path / "csrc")
+    shutil.copy(build.REPO_ROOT / "CMakeLists.txt", tmp_path)
+    monkeypatch.setattr(build, "REPO_ROOT", tmp_path)
+    before = build.fingerprint("90a")
+    with open(tmp_path / "csrc" / "README.md", "a") as readme:
+        readme.write("\nA note.\n")
+    assert build.fingerprint("90a") == before  # documentation: no rebuild
+    with open(tmp_path / "csrc" / "silu_and_mul.cu", "a") as source:
+        source.write("\n// a change\n")
+    assert build.fingerprint("90a") != before
 
 
 def test_build_reuses_a_cached_library(monkeypatch, tmp_path):
