@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -37,8 +38,16 @@ def main() -> None:
     parser.add_argument("--nano", action="store_true", help="the nano-vllm protocol instead of fixed lengths")
     parser.add_argument("--out", required=True)
     parser.add_argument("--engine-arg", nargs="*", default=[], help="KEY=VALUE engine arguments (ints or bools)")
+    parser.add_argument(
+        "--decode-tuning", nargs="*", default=[], help="KEY=VALUE fields of the decode attention's DecodeTuning"
+    )
     args = parser.parse_args()
     extra = {k: _value(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+    if args.decode_tuning:  # the engine runs in this process (multiprocess=False), so this reaches it
+        from shoal.kernels.triton import paged_attention as tpa
+
+        fields = {k: _value(v) for k, v in (a.split("=", 1) for a in args.decode_tuning)}
+        tpa.DECODE_TUNING = dataclasses.replace(tpa.DECODE_TUNING, **fields)
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, multiprocess=False, **extra)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if args.nano:
@@ -66,7 +75,7 @@ def main() -> None:
     steps = stats["num_steps"] - stats_before["num_steps"]
     own = (stats["step_s"] - stats_before["step_s"]) - (stats["execute_model_s"] - stats_before["execute_model_s"])
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    lines.append(f"workload {workload.describe()}, engine args {extra}")
+    lines.append(f"workload {workload.describe()}, engine args {extra}, decode tuning {args.decode_tuning}")
     lines.append(f"wall {wall:.3f} s (under the profiler), {steps} steps, {1e3 * wall / max(steps, 1):.3f} ms/step")
     lines.append(f"device kernel time {kernel_us / 1e6:.3f} s = {100 * kernel_us / 1e6 / wall:.1f}% of wall")
     busy_s = _device_busy_s(prof)
