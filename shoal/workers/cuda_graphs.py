@@ -2,7 +2,9 @@
 
 A decode step launches a few hundred small kernels; on a GPU their launch cost, not the work,
 would bound small batches. So the model forward of a pure-decode batch is captured once per
-padded batch size (1, 2, 4, 8, then steps of 8 up to `max_num_seqs`) and replayed: one launch.
+padded batch size (1, 2, 4, 8, then steps of 8 up to 256 and of 16 up to 512 or `max_num_seqs`)
+and replayed: one launch. Larger decode batches run eagerly: their GEMMs take tens of
+microseconds each, so launches no longer bound them, and capture stays short.
 Graphs read their inputs from the fixed `StepBuffers`; a batch of n requests runs the graph of
 the smallest captured size >= n, its extra rows padded so that they write nowhere (slot -1) and
 attend to one cached token. Prefill and mixed batches run eagerly.
@@ -23,11 +25,16 @@ from shoal.workers.step_buffers import StepBuffers
 logger = logging.getLogger(__name__)
 
 
+MAX_CAPTURE_SIZE = 512
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
-    sizes += list(range(8, max_num_seqs + 1, 8))
-    if sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
+    largest = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4) if s <= largest]
+    sizes += list(range(8, min(largest, 256) + 1, 8))
+    sizes += list(range(272, largest + 1, 16))
+    if sizes[-1] != largest:
+        sizes.append(largest)
     return sizes
 
 

@@ -9,7 +9,11 @@ one engine per model shape so that dummy 8B weights are made once for several wo
 3. `shoal serve` of the Llama-3.1-8B shape with dummy weights: seconds from the command to the
    first 200 from /health and to the first completion, then 256 × (512 in, 128 out) at once
    (no tokenizer, so no text chunks: latency and throughput only, no TTFT/ITL).
-4. `sharegpt` (not in the default steps: it needs `tests/gpu/stage_sharegpt.py`'s folder,
+4. `llama8b_wide`: the Llama-3.1-8B shape's nano and 1000 × (1024, 128) runs again with the
+   batching limits vLLM's offline `LLM` takes on an H100/H200 (max_num_seqs 1024,
+   max_num_batched_tokens 16384, where shoal's defaults are 256 and 8192), so that the
+   comparison with vLLM's numbers is also made at its own settings.
+5. `sharegpt` (not in the default steps: it needs `tests/gpu/stage_sharegpt.py`'s folder,
    --sharegpt-dir): ShareGPT prompts on the Llama-3.1-8B shape with a Llama-3 tokenizer, 64 at a
    time, offline (max_num_seqs 64) and then over HTTP (a client keeping 64 streams open): the
    served output tokens/s as a share of the offline run's, and TTFT / ITL p50 and p99.
@@ -18,7 +22,7 @@ Each result is written to --out as soon as it finishes (the same JSON as `shoal 
 summary table is printed at the end, also after a failure or an interrupt (timeout -s INT).
 `--smoke MODEL_DIR` runs the same steps on CPU with a tiny model and tiny workloads.
 
-    python3 tests/gpu/bench_suite.py --out $OUT [--only llama8b qwen06b serve]
+    python3 tests/gpu/bench_suite.py --out $OUT [--only llama8b qwen06b serve llama8b_wide]
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class Plan:
     ratio: tuple[int, int, int]
     serve_load: tuple[int, int, int]
     sharegpt: tuple[int, int] = (500, 64)  # requests, concurrency
+    wide_batching: tuple[int, int] = (1024, 16384)  # vLLM's offline max_num_seqs, max_num_batched_tokens
     big_label: str = "llama8b"
     small_label: str = "qwen3_0.6b"
     device: str = "auto"
@@ -102,6 +107,7 @@ def smoke_plan(model: Path) -> Plan:
         ratio=(8, 32, 8),
         serve_load=(8, 32, 8),
         sharegpt=(12, 4),
+        wide_batching=(32, 512),
     )
     return Plan(
         model,
@@ -210,6 +216,26 @@ def big_model(suite: Suite) -> None:
     suite.row(f"{label} vs hf", "shoal / hf", report["shoal_vs_hf"], note=f"{n} x ({i} in, {o} out), hf batch {n}")
 
 
+def big_model_wide(suite: Suite) -> None:
+    """The big model's throughput runs at vLLM's offline batching limits for large GPUs."""
+    max_num_seqs, max_num_batched_tokens = suite.plan.wide_batching
+    engine_args = dataclasses.replace(
+        suite.engine_args(suite.plan.big_model),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    setup = prepare_offline(engine_args, measure_bound=True, in_process=False)
+    llm = setup.create_llm()
+    label = f"{suite.plan.big_label}_wide"
+    try:
+        vocab_size = setup.config.model_config.vocab_size
+        throughput_step(suite, setup, llm, suite.nano(vocab_size), f"{label}_nano")
+        n, i, o = suite.plan.fixed
+        throughput_step(suite, setup, llm, fixed_lengths(n, i, o, vocab_size, seed=3), f"{label}_{n}x{i}x{o}")
+    finally:
+        llm.shutdown()
+
+
 def small_model(suite: Suite) -> None:
     setup = prepare_offline(suite.engine_args(suite.plan.small_model), measure_bound=True, in_process=False)
     llm = setup.create_llm()
@@ -310,8 +336,14 @@ def sharegpt(suite: Suite) -> None:
     suite.save(f"{plan.big_label}_sharegpt_c{concurrency}", {**report, "served_over_offline": share})
 
 
-STEPS = {"llama8b": big_model, "qwen06b": small_model, "serve": serve, "sharegpt": sharegpt}
-DEFAULT_STEPS = ["llama8b", "qwen06b", "serve"]
+STEPS = {
+    "llama8b": big_model,
+    "qwen06b": small_model,
+    "serve": serve,
+    "llama8b_wide": big_model_wide,
+    "sharegpt": sharegpt,
+}
+DEFAULT_STEPS = ["llama8b", "qwen06b", "serve", "llama8b_wide"]
 
 
 def main() -> int:

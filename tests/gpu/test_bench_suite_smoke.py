@@ -1,5 +1,6 @@
-"""tests/gpu/bench_suite.py's ShareGPT serving step on CPU with `--smoke`: a tiny model with its
-own tokenizer, a few ShareGPT exchanges, offline and then over HTTP at the same concurrency."""
+"""tests/gpu/bench_suite.py's steps that exist for the GPU only, on CPU with `--smoke`: ShareGPT
+serving (a tiny model with its own tokenizer, a few ShareGPT exchanges, offline and then over HTTP
+at the same concurrency) and the runs at vLLM's batching limits."""
 
 from __future__ import annotations
 
@@ -59,3 +60,18 @@ def test_sharegpt_step_compares_served_with_offline(tiny_checkpoints: dict[str, 
     assert served["num_output_tokens"] == report["workload"]["num_output_tokens"] == offline["num_output_tokens"]
     assert report["served_over_offline"] == served["output_tokens_per_s"] / offline["output_tokens_per_s"] > 0
     assert served["ttft_ms"]["p50"] > 0 and served["itl_ms"]["p99"] >= served["itl_ms"]["p50"] > 0
+
+
+def test_wide_batching_step_runs_at_its_own_limits(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--smoke", str(tiny_checkpoints["llama"])]
+    command += ["--only", "llama8b_wide"]
+    env = {**os.environ, "SHOAL_CPU_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    for name in ("smoke_wide_nano", "smoke_wide_16x32x8"):
+        report = json.loads((out / f"{name}.json").read_text())
+        assert report["engine_args"]["max_num_seqs"] == 32
+        assert report["engine_args"]["max_num_batched_tokens"] == 512
+        result = report["results"]["shoal"]
+        assert result["num_output_tokens"] == report["workload"]["num_output_tokens"] > 0
