@@ -3,11 +3,6 @@ unquantized linear method takes it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,8 +11,7 @@ from shoal.kernels import gemv as gemv_module
 from shoal.kernels.gemv import gemv, gemv_kernel_for, gemv_ref, use_gemv
 from shoal.kernels.triton import triton_available
 from shoal.layers.linear import ReplicatedLinear
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.interpreter import needs_triton, run_interpreter_check
 
 
 @pytest.mark.parametrize("has_bias", [False, True])
@@ -32,12 +26,9 @@ def test_reference_is_f_linear(has_bias: bool) -> None:
     assert torch.equal(on_cpu, out)
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed (make test installs it on x86-64)")
+@needs_triton
 def test_triton_kernel_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    command = [sys.executable, "-m", "tests.kernels.triton_gemv_check"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreter_check("tests.kernels.triton_gemv_check")
 
 
 @pytest.mark.gpu

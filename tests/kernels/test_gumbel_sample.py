@@ -3,23 +3,16 @@ and when the sampler uses it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from shoal.kernels.gumbel_sample import gumbel_sample_ref
-from shoal.kernels.triton import triton_available
 from shoal.sampling_params import SamplingParams
 from shoal.workers import sampler as sampler_module
 from shoal.workers.input_batch import RequestState
 from shoal.workers.sampler import Sampler, build_sampling_metadata
 from tests.kernels.gumbel_sample_cases import check_across_chunks, check_gumbel_sampler
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.interpreter import needs_triton, run_interpreter_check
 
 
 def test_reference_samples_the_softmax() -> None:
@@ -27,12 +20,9 @@ def test_reference_samples_the_softmax() -> None:
     assert check_across_chunks(gumbel_sample_ref, torch.device("cpu"), num_rows=4000) == []
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed (make test installs it on x86-64)")
+@needs_triton
 def test_triton_kernel_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    command = [sys.executable, "-m", "tests.kernels.triton_sampling_check"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreter_check("tests.kernels.triton_sampling_check")
 
 
 @pytest.mark.gpu

@@ -3,11 +3,6 @@ interpreter (CPU) and on a GPU, and the models' fused branch."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,12 +10,10 @@ from shoal.kernels.reshape_and_cache import reshape_and_cache
 from shoal.kernels.rms_norm import rms_norm
 from shoal.kernels.rope_and_cache import fused_rope_and_cache_available, rope_and_cache
 from shoal.kernels.rotary_embedding import rotary_embedding
-from shoal.kernels.triton import triton_available
 from shoal.models import llama as llama_module
+from tests.kernels.interpreter import needs_triton, run_interpreter_check
 from tests.kernels.triton_rope_and_cache_check import SENTINEL, Case, check, make_inputs
 from tests.models.model_utils import PagedRunner, load_shoal
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _separate_ops(positions, qkv, kv_cache, slot_mapping, cos_sin_cache, num_heads, num_kv_heads, head_size,
@@ -63,12 +56,9 @@ def test_not_fused_on_cpu():
     assert not fused_rope_and_cache_available(torch.zeros(2, 8, dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed (make test installs it on x86-64)")
+@needs_triton
 def test_triton_kernel_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    command = [sys.executable, "-m", "tests.kernels.triton_rope_and_cache_check"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreter_check("tests.kernels.triton_rope_and_cache_check")
 
 
 GPU_CASES = [

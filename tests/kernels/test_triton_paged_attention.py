@@ -1,39 +1,20 @@
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from shoal.kernels.triton import triton_available
 from tests.kernels.attention_cases import GPU_BATCHES, GPU_HEADS, run_compiled
+from tests.kernels.interpreter import needs_triton, run_interpreter_check
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
-
-@pytest.mark.skipif(
-    not triton_available(),
-    reason="triton is not installed (make test installs it on x86-64; GPU machines run the compiled kernels)",
-)
+@needs_triton
 def test_triton_paged_attention_under_the_interpreter():
     """The Triton kernels on CPU tensors under TRITON_INTERPRET=1, in a fresh process (the
     interpreter is picked when the kernels are decorated)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.triton_interpreter_check"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_interpreter_check("tests.kernels.triton_interpreter_check")
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize(
     "batch, max_seq_len, splits",
     [

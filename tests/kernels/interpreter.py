@@ -1,0 +1,29 @@
+"""Triton kernels on CPU: a check module run under TRITON_INTERPRET=1 in a fresh process (the
+interpreter is picked when the kernels are decorated, at import, so it cannot be switched on in
+the test process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shoal.kernels.triton import triton_available
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(),
+    reason="triton is not installed (make test installs it on x86-64; GPU machines run the compiled kernels)",
+)
+
+
+def run_interpreter_check(module: str) -> None:
+    """Run `python -m module` under the interpreter; fail with its output when it exits non-zero."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    command = [sys.executable, "-m", module]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
