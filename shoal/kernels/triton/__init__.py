@@ -6,14 +6,26 @@ none of this (a kernel can still be debugged there under TRITON_INTERPRET=1 on C
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+
+import torch
 
 logger = logging.getLogger(__name__)
 
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def num_sms(device: torch.device, on_cpu: int = 132) -> int:
+    """SMs of a CUDA device, which launch heuristics size grids by (a host query, no sync);
+    `on_cpu` stands in for the interpreter's CPU tensors."""
+    if device.type != "cuda":
+        return on_cpu
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def register_triton_kernels() -> bool:

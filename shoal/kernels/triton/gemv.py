@@ -26,12 +26,13 @@ Nothing here reads a value back to the host, so the launches can be captured in 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from shoal.kernels.triton import num_sms
 
 
 @dataclass
@@ -178,20 +179,12 @@ def _gemv_reduce_kernel(
     tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device (one for the interpreter's CPU tensors); a host query, no sync."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _k_per_split(n_programs: int, k: int, device: torch.device, tuning: GemvTuning) -> int:
     """Columns of K per split, a multiple of block_k (all of K: no split)."""
     k_tiles = triton.cdiv(k, tuning.block_k)
     if tuning.programs_per_sm <= 0 or k_tiles == 1:
         return k_tiles * tuning.block_k
-    target = tuning.programs_per_sm * _num_sms(device)
+    target = tuning.programs_per_sm * num_sms(device, on_cpu=1)  # interpreter: split as on a 1-SM device
     splits = min(triton.cdiv(target, n_programs), k_tiles)
     return triton.cdiv(k_tiles, splits) * tuning.block_k
 

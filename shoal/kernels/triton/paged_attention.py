@@ -29,12 +29,13 @@ Softmax runs in base 2: scores are scaled by scale * log2(e) so that exp2 replac
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from shoal.kernels.triton import num_sms
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its partial write than it saves
@@ -288,21 +289,14 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + row.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d, out, mask=d_valid)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter on CPU: any plausible count
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Split the contexts of a grid too small to fill the GPU, only as far as needed to give
     every SM `programs_per_sm` programs."""
-    tuning, num_sms = DECODE_TUNING, _num_sms(device)
+    tuning, sms = DECODE_TUNING, num_sms(device)
     max_splits = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
-    if num_programs >= tuning.split_below_per_sm * num_sms or max_splits <= 1:
+    if num_programs >= tuning.split_below_per_sm * sms or max_splits <= 1:
         return 1
-    return min(max_splits, triton.cdiv(tuning.programs_per_sm * num_sms, num_programs))
+    return min(max_splits, triton.cdiv(tuning.programs_per_sm * sms, num_programs))
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:

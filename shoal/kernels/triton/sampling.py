@@ -12,11 +12,11 @@ second, tiny kernel picks the best chunk.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from shoal.kernels.triton import num_sms
 
 _QUARTER = 256  # tile = 4 quarters of 256 logits
 _TILE = 4 * _QUARTER
@@ -90,17 +90,10 @@ def _best_chunk_kernel(out_ptr, chunk_value_ptr, chunk_index_ptr, num_chunks, CH
     tl.store(out_ptr + row, tl.min(tl.where(value == best, index, 2**30), 0).to(tl.int64))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter on CPU: any plausible count
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_chunks(rows: int, vocab_size: int, device: torch.device) -> int:
     """One chunk per row once the rows alone give every SM two programs; else split the rows
     into chunks of at least _MIN_CHUNK logits until they do."""
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     if rows >= target:
         return 1
     return max(1, min(triton.cdiv(vocab_size, _MIN_CHUNK), triton.cdiv(target, rows)))
