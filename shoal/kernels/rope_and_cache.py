@@ -18,6 +18,8 @@ ops, whose GPU results agree with Hugging Face bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from shoal.kernels.dispatch import registered_kernel
@@ -28,10 +30,14 @@ from shoal.kernels.rotary_embedding import rotary_embedding_ref
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _compiled_kernel(qkv: torch.Tensor) -> Callable[..., object] | None:
+    return registered_kernel("rope_and_cache", qkv) if qkv.dtype in FUSED_DTYPES else None
+
+
 def fused_rope_and_cache_available(qkv: torch.Tensor) -> bool:
     """Whether `rope_and_cache` runs as one compiled kernel for `qkv` (else a model should keep
     the separate ops, which have compiled versions of their own)."""
-    return qkv.dtype in FUSED_DTYPES and registered_kernel("rope_and_cache", qkv) is not None
+    return _compiled_kernel(qkv) is not None
 
 
 def rope_and_cache_ref(
@@ -76,8 +82,7 @@ def rope_and_cache(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> None:
-    op = registered_kernel("rope_and_cache", qkv) if qkv.dtype in FUSED_DTYPES else None
-    (op or rope_and_cache_ref)(
+    (_compiled_kernel(qkv) or rope_and_cache_ref)(
         positions, qkv, kv_cache, slot_mapping, cos_sin_cache, num_heads, num_kv_heads, head_size, is_neox,
         q_norm_weight, k_norm_weight, eps,
     )  # fmt: skip

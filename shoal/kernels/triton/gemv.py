@@ -43,7 +43,7 @@ class GemvTuning:
     block_k: int = 512  # weight columns per tile: 1 KiB of bf16 per row and tile
     num_warps: int = 4
     num_stages: int = 3  # passed to the compiler (triton 3.6 pipelines no load that feeds no dot)
-    max_rows: int = 8  # rows of x the kernel takes (gemv_kernel_for sends no more)
+    max_rows: int = 8  # rows of x the kernel takes (use_gemv sends no more)
     programs_per_sm: int = 0  # split K until the grid has this many programs per SM; 0: never split
     reduce_block: int = 1024  # outputs per program of the split-K reduction
 
