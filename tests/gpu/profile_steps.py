@@ -42,12 +42,11 @@ def main() -> None:
         "--decode-tuning", nargs="*", default=[], help="KEY=VALUE fields of the decode attention's DecodeTuning"
     )
     args = parser.parse_args()
-    extra = {k: _value(v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+    extra = _key_values(args.engine_arg)
     if args.decode_tuning:  # the engine runs in this process (multiprocess=False), so this reaches it
         from shoal.kernels.triton import paged_attention as tpa
 
-        fields = {k: _value(v) for k, v in (a.split("=", 1) for a in args.decode_tuning)}
-        tpa.DECODE_TUNING = dataclasses.replace(tpa.DECODE_TUNING, **fields)
+        tpa.DECODE_TUNING = dataclasses.replace(tpa.DECODE_TUNING, **_key_values(args.decode_tuning))
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, multiprocess=False, **extra)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if args.nano:
@@ -110,6 +109,11 @@ def _device_busy_s(prof: torch.profiler.profile) -> float:
             busy_us += end - max(start, covered_until)
             covered_until = end
     return busy_us / 1e6
+
+
+def _key_values(pairs: list[str]) -> dict[str, object]:
+    """KEY=VALUE arguments as a dict, values read as bools or ints where they are."""
+    return {key: _value(value) for key, value in (pair.split("=", 1) for pair in pairs)}
 
 
 def _value(text: str) -> object:
