@@ -29,6 +29,7 @@ CASES = [
     ([7, 1, 3, 1, 70], [7, 20, 19, 2, 90], 6, 2, 40, 16, torch.float32, 0),  # mixed; head size 40 padded
     ([7, 1, 3, 1, 12], [7, 20, 19, 2, 12], 8, 2, 64, 16, torch.float16, 0),  # mixed, fp16
     ([70, 1, 5, 0, 2], [90, 20, 5, 4, 40], 6, 2, 32, 4, torch.float32, 0),  # long request first, an empty one
+    ([7, 1, 3, 1, 12], [7, 300, 19, 2, 12], 4, 2, 32, 16, torch.float32, 3),  # mixed, its decodes split
 ]
 
 
@@ -54,15 +55,17 @@ def main() -> int:
     from shoal.kernels.triton import paged_attention as kernels
 
     failures = 0
-    # The shipped launch parameters, then other tile shapes the sweep tries.
+    # The shipped launch parameters, then other tile shapes the sweep tries; mixed batches with
+    # their decode requests split off (the default) and whole through the unified kernel.
     tunings = [
-        (kernels.DecodeTuning(), kernels.UnifiedTuning()),
-        (kernels.DecodeTuning(block_n=32, programs_per_sm=64), kernels.UnifiedTuning(block_m=128, block_n=32)),
+        (kernels.DecodeTuning(), kernels.UnifiedTuning(), True),
+        (kernels.DecodeTuning(block_n=32, programs_per_sm=64), kernels.UnifiedTuning(block_m=128, block_n=32), True),
+        (kernels.DecodeTuning(), kernels.UnifiedTuning(), False),
     ]
-    for (decode, unified), case in ((t, c) for t in tunings for c in CASES):
-        kernels.DECODE_TUNING, kernels.UNIFIED_TUNING = decode, unified
+    for (decode, unified, split_mixed), case in ((t, c) for t in tunings for c in CASES):
+        kernels.DECODE_TUNING, kernels.UNIFIED_TUNING, kernels.SPLIT_MIXED_BATCHES = decode, unified, split_mixed
         failures += not check(kernels.triton_paged_attention, *case)
-        print(f"   with {decode} {unified}")
+        print(f"   with {decode} {unified} split_mixed_batches={split_mixed}")
     return 1 if failures else 0
 
 

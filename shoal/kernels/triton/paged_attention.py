@@ -13,10 +13,11 @@ Two kernels:
   causal bound of its last token, gathering each tile's cache rows through the block table.
   Prefix-cache hits need nothing special: the request's context_len = seq_len - query_len
   cached positions simply come first.
-- `_decode_kernel` + `_decode_reduce_kernel` serve decode-only batches (one token per request):
-  a program takes one request and one KV head, and the context is split across NUM_SPLITS
-  programs when the batch alone cannot fill the GPU; the second kernel merges the partial
-  softmaxes.
+- `_decode_kernel` + `_decode_reduce_kernel` serve the requests with one new token: a program
+  takes one request and one KV head, and the context is split across NUM_SPLITS programs when
+  the batch alone cannot fill the GPU; the second kernel merges the partial softmaxes. A
+  decode-only batch runs these alone; a mixed batch runs them for its one-token requests and
+  the unified kernel for the rest (`SPLIT_MIXED_BATCHES`).
 
 Numbering the unified kernel's programs: the query tiles of all requests share one grid axis
 with no host-side list. Request i's tiles are numbered from query_start_loc[i] // BLOCK_Q + i,
@@ -70,6 +71,12 @@ class UnifiedTuning:
 
 UNIFIED_TUNING = UnifiedTuning()
 
+# A mixed batch (decode requests next to prefill chunks) runs its decode requests through the
+# decode kernel and only the prefill chunks through the unified one: a unified program's
+# BLOCK_M rows and short BLOCK_N tiles are shaped for many query tokens, and on a lone token
+# they leave most of the tile empty while the context streams by (benchmarks/bench_attention_mixed.py).
+SPLIT_MIXED_BATCHES = True
+
 
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
@@ -112,6 +119,7 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * HEADS_PER_KV, rounded up to a power of two
     BLOCK_N: tl.constexpr,  # context positions per tile
     DOT_PRECISION: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,  # requests with one new token are the decode kernel's
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +129,8 @@ def _unified_attention_kernel(
     local_tile = tile - (q_start // BLOCK_Q + req)
     if local_tile * BLOCK_Q >= query_len:
         return  # a spare tile number past this request's last tile
+    if SKIP_DECODES and query_len == 1:
+        return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - query_len
 
@@ -316,6 +326,7 @@ def _unified_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    skip_decodes: bool = False,
 ) -> None:
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -350,6 +361,7 @@ def _unified_attention(
         BLOCK_M=block_m,
         BLOCK_N=tuning.block_n if head_pad <= 128 else min(tuning.block_n, 32),
         DOT_PRECISION=_dot_precision(query.dtype),
+        SKIP_DECODES=skip_decodes,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )
@@ -450,11 +462,16 @@ def triton_paged_attention(
     """The compiled op `paged_attention`: out [num_tokens, num_heads, head_size] (rows past the
     batch are left alone); kv_cache [2, num_blocks, block_size, num_kv_heads, head_size]; int32
     query_start_loc [num_reqs + 1], seq_lens [num_reqs], block_tables [num_reqs, max_blocks].
-    Decode-only batches (max_query_len == 1) take the split-K decode kernel, others the
-    unified one; num_splits applies to the former (0: choose)."""
+    Requests with one new token take the split-K decode kernel, the others the unified one
+    (or, with SPLIT_MIXED_BATCHES off, every request of a batch with prefill tokens);
+    num_splits applies to the former (0: choose)."""
     if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return
+    args = (out, query, kv_cache, query_start_loc, seq_lens, block_tables)
     if max_query_len == 1:
-        _decode_attention(out, query, kv_cache, query_start_loc, seq_lens, block_tables, max_seq_len, scale, num_splits)
+        _decode_attention(*args, max_seq_len, scale, num_splits)
+    elif SPLIT_MIXED_BATCHES:
+        _decode_attention(*args, max_seq_len, scale, num_splits)  # skips the requests with prefill tokens
+        _unified_attention(*args, scale, skip_decodes=True)
     else:
-        _unified_attention(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+        _unified_attention(*args, scale)
