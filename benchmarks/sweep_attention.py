@@ -8,6 +8,10 @@ max_num_batched_tokens), reported in TFLOP/s of causal attention. Prints the bes
 case and over all cases, and writes everything as JSON.
 
     python3 benchmarks/sweep_attention.py --output sweep.json [--kernel unified]
+
+`--kernel splits`: small decode batches (batch 1 to 32) at contexts from 128 to 4,096 with the
+context split in 1, 2, 4, 8 or 16 parts and as `choose_num_splits` picks, each timed inside a
+CUDA graph (as the engine replays decode steps, so the reduce kernel costs its in-graph launch).
 """
 
 from __future__ import annotations
@@ -149,6 +153,34 @@ def sweep_unified(output: str) -> None:
     print_overall(results)
 
 
+SPLIT_CASES = [(batch, ctx) for batch in (1, 8, 32) for ctx in (128, 384, 640, 1024, 2048, 4096)]
+
+
+def sweep_splits(output: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_kernels import time_per_call
+
+    results = []
+    for batch, ctx in SPLIT_CASES:
+        query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(32, 8, batch, ctx)
+        seq_lens.fill_(ctx)
+        out = torch.empty_like(query)
+        timings = {}
+        for splits in (0, 1, 2, 4, 8, 16):  # 0: the kernel's own choice for a graph captured at 4,096
+            run = functools.partial(
+                tpa.triton_paged_attention, out, query, kv_cache, qsl, seq_lens, block_tables, 1, 4096, 0.088, splits
+            )
+            timings[splits] = 1e3 * time_per_call(lambda i, run=run: run())
+        best = min(timings, key=timings.get)
+        print(
+            f"llama-8b b{batch} ctx {ctx}: "
+            + ", ".join(f"{k}: {v:.1f}" for k, v in timings.items())
+            + f" us; best {best}"
+        )
+        results.append({"batch": batch, "ctx": ctx, "us_by_splits": timings, "kv_bytes": kv_bytes})
+    Path(output).write_text(json.dumps(results, indent=1))
+
+
 def print_overall(results: list[dict]) -> None:
     """One setting for every case: the best mean of times relative to each case's best."""
     scores: dict[str, float] = {}
@@ -164,13 +196,15 @@ def print_overall(results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="sweep_decode_attention.json")
-    parser.add_argument("--kernel", choices=("decode", "unified"), default="decode")
+    parser.add_argument("--kernel", choices=("decode", "unified", "splits"), default="decode")
     parser.add_argument(
         "--cache-gib", type=float, default=0.0, help="decode: spread the blocks over a cache this large (TLB effects)"
     )
     args = parser.parse_args()
     if args.kernel == "unified":
         sweep_unified(args.output)
+    elif args.kernel == "splits":
+        sweep_splits(args.output)
     else:
         sweep_decode(args.output, args.cache_gib)
 

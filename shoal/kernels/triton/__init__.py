@@ -3,10 +3,11 @@
 Triton is not a dependency of shoal: GPU machines bring it with their torch, CPU machines need
 none of this (a kernel can still be debugged there under TRITON_INTERPRET=1 on CPU tensors).
 
-Integer arguments that change from step to step (request counts, seeds, split sizes) are
-listed in each kernel's `do_not_specialize`: Triton otherwise compiles one variant per class of
-value (1, multiples of 16, the rest), and a variant first met in the middle of serving stalls
-every running request while it compiles.
+Integer arguments that change from step to step in eagerly launched kernels (request counts,
+seeds, chunk sizes) are listed in each kernel's `do_not_specialize`: Triton otherwise compiles
+one variant per class of value (1, multiples of 16, the rest), and a variant first met in the
+middle of serving stalls every running request while it compiles. (The decode kernel's split
+arguments stay specialized: they are fixed per captured graph, and take two classes eagerly.)
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def _unified_attention_kernel(
     tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=row_valid[:, None] & d_valid[None, :])
 
 
-@triton.jit(do_not_specialize=["split_tokens", "num_splits"])
+@triton.jit
 def _decode_kernel(
     out_ptr,
     partial_out_ptr,  # [num_reqs, num_heads, num_splits, HEAD_PAD] float32 (SPLIT only)
@@ -257,7 +257,7 @@ def _decode_kernel(
         tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=h_valid[:, None] & d_valid[None, :])
 
 
-@triton.jit(do_not_specialize=["split_tokens", "num_splits"])
+@triton.jit
 def _decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,
