@@ -25,6 +25,23 @@ def test_triton_kernel_under_the_interpreter() -> None:
     run_interpreter_check("tests.kernels.triton_sampling_check")
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "rows, vocab_size, chunks",
+    [
+        (1, 128256, 63),  # one row: as many chunks as 2,048-logit pieces allow
+        (64, 151936, 33),  # towards 16 programs per SM (2,112 on the 132-SM stand-in)
+        (256, 151936, 9),
+        (2112, 151936, 1),  # the rows alone fill the GPU: one chunk each, no second kernel
+        (8, 1000, 1),  # a vocabulary too small to split
+    ],
+)
+def test_rows_are_chunked_until_every_sm_has_16_programs(rows: int, vocab_size: int, chunks: int) -> None:
+    from shoal.kernels.triton.sampling import choose_num_chunks
+
+    assert choose_num_chunks(rows, vocab_size, torch.device("cpu")) == chunks
+
+
 @pytest.mark.gpu
 def test_triton_kernel_on_gpu() -> None:
     from shoal.kernels.triton.sampling import triton_gumbel_sample

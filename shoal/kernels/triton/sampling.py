@@ -6,8 +6,8 @@ nothing is written but the winner. The noise is Philox (`tl.rand4x`, keyed by th
 and the element's position): one Philox call yields four uniforms, used for the four quarters
 of a tile, because the generator, not memory, bounds this kernel (~100 integer operations per
 call). A batch with enough rows to fill the GPU runs one chunk per row and writes the sampled
-id directly; a small batch (batch 1: one row of 128k logits) splits each row into chunks and a
-second, tiny kernel picks the best chunk.
+id directly; a smaller batch (below 16 rows per SM; batch 1: one row of 128k logits) splits each
+row into chunks and a second, tiny kernel picks the best chunk.
 """
 
 from __future__ import annotations
@@ -90,10 +90,16 @@ def _best_chunk_kernel(out_ptr, chunk_value_ptr, chunk_index_ptr, num_chunks, CH
     tl.store(out_ptr + row, tl.min(tl.where(value == best, index, 2**30), 0).to(tl.int64))
 
 
+# Programs per SM the chunks aim for: each program is a serial chain of Philox rounds, so the SMs
+# need many at once (H200, benchmarks/bench_sampling.py --sweep-chunks: 256 rows x 152k logits
+# take 161 us as one chunk per row, 2 programs per SM, and 137 us as 8 chunks, 16 per SM).
+PROGRAMS_PER_SM = 16
+
+
 def choose_num_chunks(rows: int, vocab_size: int, device: torch.device) -> int:
-    """One chunk per row once the rows alone give every SM two programs; else split the rows
-    into chunks of at least _MIN_CHUNK logits until they do."""
-    target = 2 * num_sms(device)
+    """One chunk per row once the rows alone give every SM PROGRAMS_PER_SM programs; else split
+    the rows into chunks of at least _MIN_CHUNK logits until they do."""
+    target = PROGRAMS_PER_SM * num_sms(device)
     if rows >= target:
         return 1
     return max(1, min(triton.cdiv(vocab_size, _MIN_CHUNK), triton.cdiv(target, rows)))
