@@ -6,12 +6,17 @@ decode: `--num-requests` running requests with ~`--prompt-len`-token prompts (th
 
     .venv/bin/python benchmarks/bench_scheduler.py --output bench_scheduler.json
     .venv/bin/python benchmarks/bench_scheduler.py --profile   # cProfile of the timed steps
+    .venv/bin/python benchmarks/bench_scheduler.py --async-scheduling
+
+`--async-scheduling` runs the decode steps as the engine does on one GPU: step N+1 is scheduled
+(every request one token ahead, on a placeholder) before step N's tokens are applied.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import platform
 import pstats
@@ -19,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 from shoal.config import CacheConfig, SchedulerConfig
@@ -40,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true", help="keep one step in flight, as the engine does")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the timed steps")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
@@ -51,7 +58,7 @@ def make_scheduler(args: argparse.Namespace) -> Scheduler:
     max_model_len = args.prompt_len * 2 + max_tokens
     num_blocks = args.num_requests * (-(-max_model_len // args.block_size) + 1)
     return Scheduler(
-        SchedulerConfig(args.num_requests, args.max_num_batched_tokens, max_model_len),
+        SchedulerConfig(args.num_requests, args.max_num_batched_tokens, max_model_len, args.async_scheduling),
         CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
         num_blocks,
     )
@@ -89,6 +96,25 @@ def run_step(scheduler: Scheduler, token_id: int) -> tuple[int, int]:
     return elapsed, sched_out.total_num_scheduled_tokens
 
 
+def run_async_step(scheduler: Scheduler, token_id: int, in_flight: deque[SchedulerOutput]) -> tuple[int, int]:
+    """One engine step with async scheduling: schedule the next step, then apply the oldest one
+    in flight (in steady-state decode every request of it sampled one token)."""
+    start = time.perf_counter_ns()
+    sched_out = scheduler.schedule()
+    elapsed = time.perf_counter_ns() - start
+    in_flight.append(sched_out)
+    if len(in_flight) == 2:
+        oldest = in_flight.popleft()
+        req_ids = list(oldest.num_scheduled_tokens)
+        model_output = ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=[[token_id]] * len(req_ids), step_id=oldest.step_id
+        )
+        start = time.perf_counter_ns()
+        scheduler.update_from_output(oldest, model_output)
+        elapsed += time.perf_counter_ns() - start
+    return elapsed, sched_out.total_num_scheduled_tokens
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     index = min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1)))
     return sorted_values[index]
@@ -103,8 +129,10 @@ def main() -> None:
     # Prefill everything, then warm up in decode.
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         run_step(scheduler, rng.randrange(VOCAB_SIZE))
+    in_flight: deque[SchedulerOutput] = deque()
+    step = functools.partial(run_async_step, in_flight=in_flight) if args.async_scheduling else run_step
     for _ in range(args.warmup_steps):
-        run_step(scheduler, rng.randrange(VOCAB_SIZE))
+        step(scheduler, rng.randrange(VOCAB_SIZE))
     assert len(scheduler.running) == args.num_requests, "every request must be decoding"
 
     tokens = [rng.randrange(VOCAB_SIZE) for _ in range(args.num_steps)]
@@ -113,7 +141,7 @@ def main() -> None:
         profiler.enable()
     step_us = []
     for token_id in tokens:
-        elapsed_ns, num_tokens = run_step(scheduler, token_id)
+        elapsed_ns, num_tokens = step(scheduler, token_id)
         assert num_tokens == args.num_requests
         step_us.append(elapsed_ns / 1000)
     if profiler is not None:
@@ -135,7 +163,8 @@ def main() -> None:
         "machine": platform.machine(),
     }
     print(
-        f"{args.num_requests} decoding requests, {args.num_steps} steps: "
+        f"{args.num_requests} decoding requests, {args.num_steps} steps"
+        f"{' (async scheduling)' if args.async_scheduling else ''}: "
         f"mean {results['mean_us']:.1f} us, p50 {results['p50_us']:.1f} us, p99 {results['p99_us']:.1f} us "
         f"per step (target < 1000 us); prefix-cache hit rate {results['prefix_cache_hit_rate']:.2f}"
     )
