@@ -55,7 +55,9 @@ def main() -> None:
         workload = fixed_lengths(args.num_prompts, args.input_len, args.output_len, vocab, temperature=0.6)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
     params = [
-        SamplingParams(temperature=workload.temperature, max_tokens=r.output_len, ignore_eos=True)
+        # As `shoal bench throughput` asks: token ids only, no detokenizing (which here would run
+        # in the engine's process and count as its host time).
+        SamplingParams(temperature=workload.temperature, max_tokens=r.output_len, ignore_eos=True, detokenize=False)
         for r in workload.requests
     ]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
