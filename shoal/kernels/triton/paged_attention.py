@@ -40,6 +40,10 @@ from shoal.kernels.triton import num_sms
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its partial write than it saves
+# The reduce kernel is compiled per SPLITS_PAD; padding every split count up to 16 (all that a
+# 4,096-token context can have) to one variant keeps a mixed batch with, say, 3 splits from
+# compiling a new one in the middle of serving.
+_MIN_SPLITS_PAD = 16
 
 
 @dataclass
@@ -442,7 +446,7 @@ def _decode_attention(
             out.stride(1),
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=max(_MIN_SPLITS_PAD, triton.next_power_of_2(num_splits)),
             num_warps=4,
         )
 

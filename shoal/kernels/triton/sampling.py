@@ -105,6 +105,12 @@ def choose_num_chunks(rows: int, vocab_size: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(vocab_size, _MIN_CHUNK), triton.cdiv(target, rows)))
 
 
+def _chunks_pad(num_chunks: int, vocab_size: int) -> int:
+    """The best-chunk kernel's width, compiled once per vocabulary: as many chunks as the rule
+    above can choose, so that the batch shrinking over a run never compiles a new variant."""
+    return max(triton.next_power_of_2(num_chunks), triton.next_power_of_2(triton.cdiv(vocab_size, _MIN_CHUNK)))
+
+
 def triton_gumbel_sample(
     out: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor, seed: int, num_chunks: int = 0
 ) -> None:
@@ -137,5 +143,5 @@ def triton_gumbel_sample(
     )
     if chunked:
         _best_chunk_kernel[(rows,)](
-            out, chunk_value, chunk_index, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1
+            out, chunk_value, chunk_index, num_chunks, CHUNKS_PAD=_chunks_pad(num_chunks, vocab_size), num_warps=1
         )
