@@ -42,6 +42,19 @@ def test_rows_are_chunked_until_every_sm_has_16_programs(rows: int, vocab_size: 
     assert choose_num_chunks(rows, vocab_size, torch.device("cpu")) == chunks
 
 
+@needs_triton
+def test_best_chunk_kernel_has_one_width_per_vocabulary() -> None:
+    """Its width is a compile-time constant: one value for every batch size, or a batch that
+    shrinks over a run would compile new variants while requests wait."""
+    from shoal.kernels.triton.sampling import _chunks_pad, choose_num_chunks
+
+    for vocab_size in (32000, 128256, 151936):
+        widths = {
+            _chunks_pad(choose_num_chunks(rows, vocab_size, torch.device("cpu")), vocab_size) for rows in range(1, 3000)
+        }
+        assert len(widths) == 1
+
+
 @pytest.mark.gpu
 def test_triton_kernel_on_gpu() -> None:
     from shoal.kernels.triton.sampling import triton_gumbel_sample

@@ -33,6 +33,16 @@ def test_decode_splits_only_grids_too_small_for_the_gpu(batch: int, max_seq_len:
     assert choose_num_splits(batch * 8, max_seq_len, torch.device("cpu")) == splits
 
 
+@needs_triton
+def test_decode_reduce_has_one_width_up_to_16_splits() -> None:
+    """The reduce kernel's width is a compile-time constant: every split count a 4,096-token
+    context can have maps to one, so a mixed batch with a few short decodes compiles nothing new."""
+    from shoal.kernels.triton.paged_attention import _reduce_width
+
+    assert {_reduce_width(n) for n in range(2, 17)} == {16}
+    assert _reduce_width(40) == 64
+
+
 def _triton_op():
     from shoal.kernels.triton.paged_attention import triton_paged_attention
 

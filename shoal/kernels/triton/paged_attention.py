@@ -46,6 +46,10 @@ _MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its partial w
 _MIN_SPLITS_PAD = 16
 
 
+def _reduce_width(num_splits: int) -> int:
+    return max(_MIN_SPLITS_PAD, triton.next_power_of_2(num_splits))
+
+
 @dataclass
 class DecodeTuning:
     """Launch parameters of the decode kernel (benchmarks/sweep_attention.py sweeps them)."""
@@ -446,7 +450,7 @@ def _decode_attention(
             out.stride(1),
             HEAD_SIZE=head_size,
             HEAD_PAD=head_pad,
-            SPLITS_PAD=max(_MIN_SPLITS_PAD, triton.next_power_of_2(num_splits)),
+            SPLITS_PAD=_reduce_width(num_splits),
             num_warps=4,
         )
 
