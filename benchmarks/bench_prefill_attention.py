@@ -97,11 +97,13 @@ def _time_varlen(
         group = num_heads // num_kv_heads
         k_packed, v_packed = (t.repeat_interleave(group, dim=1) for t in (k_packed, v_packed))
     cu = qsl.to(torch.int32)
-    runs = {"varlen_attn": lambda: varlen(query, k_packed, v_packed, cu, cu, length, length, scale=scale, **causal)}
+    if "scale" in params:  # older releases take none and use head_size ** -0.5, as here
+        causal["scale"] = scale
+    runs = {"varlen_attn": lambda: varlen(query, k_packed, v_packed, cu, cu, length, length, **causal)}
     if "block_table" in params and "enable_gqa" in params:
         seq_lens = torch.full((block_tables.shape[0],), length, dtype=torch.int32, device=query.device)
         runs["varlen_attn_paged"] = lambda: varlen(
-            query, kv_cache[0], kv_cache[1], cu, None, length, length, scale=scale,
+            query, kv_cache[0], kv_cache[1], cu, None, length, length,
             seqused_k=seq_lens, block_table=block_tables, **causal,
         )  # fmt: skip
     timings, diffs = {}, {}
