@@ -1,6 +1,6 @@
 """Causal prefill attention of fresh prompts: shoal's unified Triton kernel (reading K and V
 through the paged cache, as the engine does) against PyTorch's own flash attention on the same
-prompts held contiguously (`scaled_dot_product_attention` on a padded-free [prompts, heads,
+prompts held contiguously (`scaled_dot_product_attention` on a padding-free [prompts, heads,
 length, head_size] batch, and `torch.nn.attention.varlen.varlen_attn` on the packed tokens where
 this torch has it). Reported in TFLOP/s of causal attention, to decide whether fresh prompts
 should leave the paged kernel.
@@ -88,23 +88,23 @@ def _time_varlen(
     table (its keywords changed between releases: is_causal, then window_size and enable_gqa);
     their times, and each output's largest difference from SDPA's."""
     params = inspect.signature(varlen).parameters
-    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    options = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     num_heads, num_kv_heads = query.shape[1], keys.shape[2]
     k_packed, v_packed = keys.flatten(0, 1), values.flatten(0, 1)
     if "enable_gqa" in params:
-        causal["enable_gqa"] = True
+        options["enable_gqa"] = True
     else:  # no GQA: the heads repeated to the query's count
         group = num_heads // num_kv_heads
         k_packed, v_packed = (t.repeat_interleave(group, dim=1) for t in (k_packed, v_packed))
     cu = qsl.to(torch.int32)
     if "scale" in params:  # older releases take none and use head_size ** -0.5, as here
-        causal["scale"] = scale
-    runs = {"varlen_attn": lambda: varlen(query, k_packed, v_packed, cu, cu, length, length, **causal)}
+        options["scale"] = scale
+    runs = {"varlen_attn": lambda: varlen(query, k_packed, v_packed, cu, cu, length, length, **options)}
     if "block_table" in params and "enable_gqa" in params:
         seq_lens = torch.full((block_tables.shape[0],), length, dtype=torch.int32, device=query.device)
         runs["varlen_attn_paged"] = lambda: varlen(
             query, kv_cache[0], kv_cache[1], cu, None, length, length,
-            seqused_k=seq_lens, block_table=block_tables, **causal,
+            seqused_k=seq_lens, block_table=block_tables, **options,
         )  # fmt: skip
     timings, diffs = {}, {}
     for name, run in runs.items():
