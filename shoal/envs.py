@@ -39,6 +39,8 @@ SHOAL_DISABLE_CSRC: bool = _bool("SHOAL_DISABLE_CSRC", False)
 # Sample plain temperature batches with the one-pass Gumbel-max kernel on CUDA
 # (shoal/kernels/gumbel_sample.py; 0 keeps the general path, e.g. to compare the two).
 SHOAL_FUSED_SAMPLING: bool = _bool("SHOAL_FUSED_SAMPLING", True)
+# Where `LLM.start_profile()` writes its traces when given no directory (vLLM: VLLM_TORCH_PROFILER_DIR).
+SHOAL_TORCH_PROFILER_DIR: str | None = os.environ.get("SHOAL_TORCH_PROFILER_DIR") or None
 
 # The Ray cluster to join (Ray's own variable), when no ray_address is given.
 RAY_ADDRESS: str | None = os.environ.get("RAY_ADDRESS") or None

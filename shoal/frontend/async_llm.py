@@ -18,6 +18,7 @@ from shoal.config import EngineArgs, EngineConfig
 from shoal.errors import EngineDeadError
 from shoal.frontend.core_client import AsyncInprocClient, AsyncMPClient
 from shoal.frontend.input_processor import PromptType
+from shoal.frontend.llm import profile_directory
 from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.stats import IterationStats, StatsTracker
@@ -172,6 +173,14 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
+
+    async def start_profile(self, profile_dir: str | None = None) -> None:
+        """As `LLM.start_profile`."""
+        await self.collective_rpc("start_profile", (profile_directory(profile_dir),))
+
+    async def stop_profile(self) -> list[dict[str, Any]]:
+        """As `LLM.stop_profile`."""
+        return await self.collective_rpc("stop_profile")
 
     async def get_stats(self) -> dict[str, Any]:
         return await self._call("get_stats")

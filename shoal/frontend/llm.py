@@ -11,10 +11,12 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from shoal import envs
 from shoal.config import EngineArgs
 from shoal.frontend.chat import Conversation, render_chat
 from shoal.frontend.core_client import EngineCoreClient, InprocClient, SyncMPClient
@@ -25,6 +27,15 @@ from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def profile_directory(profile_dir: str | None) -> str:
+    """Where workers write profiler traces: the given folder, else $SHOAL_TORCH_PROFILER_DIR (an
+    absolute path: the workers may run in another directory)."""
+    profile_dir = profile_dir or envs.SHOAL_TORCH_PROFILER_DIR
+    if not profile_dir:
+        raise ValueError("start_profile needs a directory: pass profile_dir or set SHOAL_TORCH_PROFILER_DIR")
+    return str(Path(profile_dir).resolve())
 
 
 class LLM:
@@ -139,6 +150,17 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
+
+    def start_profile(self, profile_dir: str | None = None) -> None:
+        """Run torch.profiler on every worker, where the model runs (the engine-core process or
+        its Ray actors), until `stop_profile`. Traces go to `profile_dir`, else to
+        $SHOAL_TORCH_PROFILER_DIR."""
+        self.collective_rpc("start_profile", (profile_directory(profile_dir),))
+
+    def stop_profile(self) -> list[dict[str, Any]]:
+        """Stop the profile; per worker (rank order): its Chrome trace's path, the wall seconds
+        profiled, the seconds its device was busy (None on CPU) and a table of the top ops."""
+        return self.collective_rpc("stop_profile")
 
     def get_stats(self) -> dict[str, Any]:
         """The engine core's counters: running/waiting requests, used KV blocks, prefix cache."""

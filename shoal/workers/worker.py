@@ -19,6 +19,7 @@ from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.engine_core.batch import SchedulerOutput
 from shoal.workers.model_runner import ModelRunner
+from shoal.workers.profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class Worker:
         self.local_rank = local_rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        self.profiler = StepProfiler(rank)
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -108,6 +110,15 @@ class Worker:
 
     def check_health(self) -> bool:
         return True
+
+    def start_profile(self, profile_dir: str) -> None:
+        """torch.profiler on this worker's steps from now on (see shoal/workers/profiler.py)."""
+        self.profiler.start(profile_dir)
+
+    def stop_profile(self) -> dict[str, Any]:
+        """Stop the profile: its Chrome trace is written; returns the trace's path, the wall and
+        device-busy seconds and the top operations."""
+        return self.profiler.stop()
 
     def report_device(self) -> str:
         """This worker's device, by UUID on GPU (what placement tests compare)."""

@@ -2,11 +2,14 @@
 
 Runs one offline workload twice on one engine (dummy weights of a real shape) after a warm-up:
 under torch.profiler (the device's kernel time against the wall time: the share the device was
-busy, and the top kernels) and under cProfile (the host's Python functions by own time).
+busy, and the top kernels) and under cProfile (the host's Python functions by own time). With
+`--multiprocess` the engine core runs in its own process, as `shoal bench` runs it, and is
+profiled there through `LLM.start_profile` (a Chrome trace per worker beside --out; no cProfile).
 
     python3 tests/gpu/profile_steps.py --model benchmarks/configs/qwen3-0.6b --num-prompts 256 \
         --input-len 512 --output-len 64 --out $OUT/profile_qwen06b.txt
     python3 tests/gpu/profile_steps.py --model benchmarks/configs/llama-3.1-8b --nano --out nano.txt
+    python3 tests/gpu/profile_steps.py --model benchmarks/configs/qwen3-0.6b --nano --multiprocess --out q.txt
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from shoal import LLM, SamplingParams
 from shoal.bench.workloads import fixed_lengths, random_nano
+from shoal.workers.profiler import device_busy_s
 
 
 def main() -> None:
@@ -41,13 +45,22 @@ def main() -> None:
     parser.add_argument(
         "--decode-tuning", nargs="*", default=[], help="KEY=VALUE fields of the decode attention's DecodeTuning"
     )
+    parser.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="the engine core in its own process, as `shoal bench` runs it, profiled there (LLM.start_profile; "
+        "no cProfile, no --decode-tuning)",
+    )
     args = parser.parse_args()
+    if args.multiprocess and args.decode_tuning:
+        parser.error("--decode-tuning patches this process's kernels: not with --multiprocess")
     extra = _key_values(args.engine_arg)
     if args.decode_tuning:  # the engine runs in this process (multiprocess=False), so this reaches it
         from shoal.kernels.triton import paged_attention as tpa
 
         tpa.DECODE_TUNING = dataclasses.replace(tpa.DECODE_TUNING, **_key_values(args.decode_tuning))
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=4096, multiprocess=False, **extra)
+    engine_args = {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096, **extra}
+    llm = LLM(args.model, multiprocess=args.multiprocess, **engine_args)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     if args.nano:
         workload = random_nano(vocab)
@@ -61,7 +74,50 @@ def main() -> None:
         for r in workload.requests
     ]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
+    header = f"workload {workload.describe()}, engine args {extra}, decode tuning {args.decode_tuning}"
+    if args.multiprocess:
+        lines = engine_process_report(llm, prompts, params, Path(args.out).with_suffix(".traces"))
+    else:
+        lines = in_process_report(llm, prompts, params)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    lines.append(f"wall without profilers {time.perf_counter() - start:.3f} s")
+    Path(args.out).write_text("\n".join([header, *lines]))
+    print("\n".join([header, *lines[:4], lines[-1]]))
+    llm.shutdown()
 
+
+def engine_process_report(llm: LLM, prompts: list, params: list, trace_dir: Path) -> list[str]:
+    """torch.profiler in the engine-core process around one run of the workload: the device's
+    busy share of the profiled wall time, the top ops, the trace's path."""
+    stats_before = llm.get_stats()
+    llm.start_profile(str(trace_dir))
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    [summary] = llm.stop_profile()
+    stats = llm.get_stats()
+    steps = stats["num_steps"] - stats_before["num_steps"]
+    own = (stats["step_s"] - stats_before["step_s"]) - (stats["execute_model_s"] - stats_before["execute_model_s"])
+    busy = summary["device_busy_s"]
+    busy_line = "device busy: none recorded (a CPU worker)"
+    if busy is not None:
+        busy_line = (
+            f"device busy (union of kernel intervals) {busy:.3f} s = {100 * busy / summary['wall_s']:.1f}% of the "
+            f"engine's profiled {summary['wall_s']:.3f} s"
+        )
+    return [
+        f"wall {wall:.3f} s (under the profiler, engine core in its own process), {steps} steps, "
+        f"{1e3 * wall / max(steps, 1):.3f} ms/step",
+        busy_line,
+        f"engine's own time (schedule + update) {1e6 * own / max(steps, 1):.0f} us/step",
+        f"trace {summary['trace']}",
+        summary["table"],
+    ]
+
+
+def in_process_report(llm: LLM, prompts: list, params: list) -> list[str]:
+    """torch.profiler and then cProfile around a run of the workload each, in this process."""
     lines = []
     stats_before = llm.get_stats()
     with torch.profiler.profile(
@@ -76,10 +132,9 @@ def main() -> None:
     steps = stats["num_steps"] - stats_before["num_steps"]
     own = (stats["step_s"] - stats_before["step_s"]) - (stats["execute_model_s"] - stats_before["execute_model_s"])
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    lines.append(f"workload {workload.describe()}, engine args {extra}, decode tuning {args.decode_tuning}")
     lines.append(f"wall {wall:.3f} s (under the profiler), {steps} steps, {1e3 * wall / max(steps, 1):.3f} ms/step")
     lines.append(f"device kernel time {kernel_us / 1e6:.3f} s = {100 * kernel_us / 1e6 / wall:.1f}% of wall")
-    busy_s = _device_busy_s(prof)
+    busy_s = device_busy_s(prof)
     lines.append(f"device busy (union of kernel intervals) {busy_s:.3f} s = {100 * busy_s / wall:.1f}% of wall")
     lines.append(f"engine's own time (schedule + update) {1e6 * own / max(steps, 1):.0f} us/step")
     lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
@@ -94,23 +149,7 @@ def main() -> None:
     buffer = io.StringIO()
     pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(40)
     lines.append(buffer.getvalue())
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    lines.append(f"wall without profilers {time.perf_counter() - start:.3f} s")
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines[:4] + lines[-1:]))
-
-
-def _device_busy_s(prof: torch.profiler.profile) -> float:
-    """Seconds in which some kernel or copy ran on the device: the union of their intervals (the
-    per-name tables list an eagerly launched kernel under its op as well, so sums overcount)."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
-    busy_us, covered_until = 0.0, float("-inf")
-    for start, end in intervals:
-        if end > covered_until:
-            busy_us += end - max(start, covered_until)
-            covered_until = end
-    return busy_us / 1e6
+    return lines
 
 
 def _key_values(pairs: list[str]) -> dict[str, object]:

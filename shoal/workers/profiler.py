@@ -1,0 +1,71 @@
+"""`StepProfiler`: torch.profiler around a stretch of a worker's steps.
+
+Started and stopped from the frontend (`LLM.start_profile` / `LLM.stop_profile`, vLLM's names),
+so the engine is profiled where it runs — the engine-core process, or each Ray worker actor —
+not in the caller's process, which launches no kernel. Each worker writes one Chrome trace
+(Perfetto or chrome://tracing opens it) and returns a summary: the wall time profiled, the time
+its device ran anything (the union of kernel and copy intervals; the rest of the wall time the
+device sat idle, waiting for the host), and the top operations by device time (CPU time on a
+CPU worker).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity
+
+
+class StepProfiler:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._profile: torch.profiler.profile | None = None
+        self._profile_dir = Path()
+        self._start = 0.0
+
+    def start(self, profile_dir: str) -> None:
+        if self._profile is not None:
+            raise ValueError("a profile is already running: stop it first")
+        self._profile_dir = Path(profile_dir)
+        self._profile_dir.mkdir(parents=True, exist_ok=True)
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.start()
+        self._start = time.perf_counter()
+
+    def stop(self) -> dict[str, Any]:
+        if self._profile is None:
+            raise ValueError("no profile is running: start one first")
+        profile, self._profile = self._profile, None
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.synchronize()  # the steps launched so far belong to this profile
+        wall_s = time.perf_counter() - self._start
+        profile.stop()
+        trace = self._profile_dir / f"shoal-rank{self.rank}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        profile.export_chrome_trace(str(trace))
+        sort_by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+        return {
+            "rank": self.rank,
+            "trace": str(trace),
+            "wall_s": wall_s,
+            "device_busy_s": device_busy_s(profile) if on_gpu else None,
+            "table": profile.key_averages().table(sort_by=sort_by, row_limit=25),
+        }
+
+
+def device_busy_s(profile: torch.profiler.profile) -> float:
+    """Seconds in which some kernel or copy ran on the device: the union of their intervals (the
+    per-name tables list an eagerly launched kernel under its op as well, so sums overcount)."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in profile.events() if e.device_type.name == "CUDA")
+    busy_us, covered_until = 0.0, float("-inf")
+    for start, end in intervals:
+        if end > covered_until:
+            busy_us += end - max(start, covered_until)
+            covered_until = end
+    return busy_us / 1e6
