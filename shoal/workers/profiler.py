@@ -11,6 +11,7 @@ CPU worker).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ class StepProfiler:
             torch.cuda.synchronize()  # the steps launched so far belong to this profile
         wall_s = time.perf_counter() - self._start
         profile.stop()
-        trace = self._profile_dir / f"shoal-rank{self.rank}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        trace = self._profile_dir / f"shoal-rank{self.rank}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
         profile.export_chrome_trace(str(trace))
         sort_by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
         return {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,3 +148,15 @@ def test_collective_rpc_answers_in_rank_order(odd_vocab_tp2_pp2: tuple[LLM, str]
     assert [len(stage) for stage in executor.stage_workers] == [2, 2]
     with pytest.raises(ValueError, match="no method"):
         llm.collective_rpc("not_a_method")
+
+
+def test_profile_on_every_ray_worker(odd_vocab_tp2_pp2: tuple[LLM, str], tmp_path: Path) -> None:
+    """start_profile / stop_profile reach each worker actor: one trace per rank, of its own ops."""
+    llm, _ = odd_vocab_tp2_pp2
+    llm.start_profile(str(tmp_path))
+    llm.generate(["one two three"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    summaries = llm.stop_profile()
+    assert [s["rank"] for s in summaries] == [0, 1, 2, 3]
+    traces = [Path(s["trace"]) for s in summaries]
+    assert len(set(traces)) == 4 and all(t.parent == tmp_path and t.stat().st_size > 0 for t in traces)
+    assert all("aten::" in s["table"] and s["device_busy_s"] is None for s in summaries)
