@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 import shoal
+from shoal import envs
 from shoal.entrypoints.openai.errors import bad_request, engine_dead, install_exception_handlers
 from shoal.entrypoints.openai.metrics import ServerMetrics
 from shoal.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -112,6 +113,8 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
         stats_logger=stats_logger,
     )
     app.include_router(router)
+    if envs.SHOAL_TORCH_PROFILER_DIR:  # as vLLM: the profiler routes exist only when asked for
+        app.include_router(profiler_router)
     install_exception_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=args.max_request_body_bytes)
     if args.api_key:
@@ -219,6 +222,22 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     if bad is not None:
         raise bad_request(f"token id {bad} is out of the vocabulary [0, {vocab_size})", "tokens")
     return DetokenizeResponse(prompt=await serving.in_tokenizer_thread(serving.tokenizer.decode, body.tokens))
+
+
+profiler_router = APIRouter()
+
+
+@profiler_router.post("/start_profile")
+async def start_profile(request: Request) -> Response:
+    """torch.profiler on every worker until /stop_profile; traces go to $SHOAL_TORCH_PROFILER_DIR."""
+    await _alive_engine(request).start_profile()
+    return Response(status_code=200)
+
+
+@profiler_router.post("/stop_profile")
+async def stop_profile(request: Request) -> list[dict[str, Any]]:
+    """Per worker: its trace's path, the wall and device-busy seconds, the top operations."""
+    return await _alive_engine(request).stop_profile()
 
 
 def _require_tokenizer(serving: OpenAIServingCompletion) -> None:

@@ -1,0 +1,35 @@
+"""POST /start_profile and /stop_profile: present only with $SHOAL_TORCH_PROFILER_DIR set (as
+vLLM's), profiling the engine-core process while the server answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.entrypoints.server_utils import ServerProcess
+
+
+def test_profile_routes_write_a_trace_of_the_served_requests(
+    tiny_model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHOAL_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    server = ServerProcess([tiny_model_path, "--max-model-len", "256"], tmp_path / "server.log")
+    try:
+        stop = httpx.post(f"{server.url}/stop_profile", timeout=60)
+        assert stop.status_code == 400 and "no profile is running" in stop.json()["error"]["message"]
+        assert httpx.post(f"{server.url}/start_profile", timeout=60).status_code == 200
+        completion = server.client().completions.create(model=server.model_name, prompt="hello there", max_tokens=4)
+        assert completion.choices[0].text is not None
+        response = httpx.post(f"{server.url}/stop_profile", timeout=60)
+        assert response.status_code == 200
+        [summary] = response.json()
+        trace = Path(summary["trace"])
+        assert trace.parent == tmp_path / "traces" and trace.stat().st_size > 0 and "aten::" in summary["table"]
+    finally:
+        server.stop()
+
+
+def test_profile_routes_are_absent_by_default(server: ServerProcess) -> None:
+    assert httpx.post(f"{server.url}/start_profile", timeout=30).status_code == 404
