@@ -9,6 +9,10 @@ case and over all cases, and writes everything as JSON.
 
     python3 benchmarks/sweep_attention.py --output sweep.json [--kernel unified]
 
+`--kernel order`: the decode cases with their requests as drawn, longest context first and
+shortest first (the kernel runs programs in request order, so the order decides which long
+contexts are left for the last wave).
+
 `--kernel splits`: small decode batches (batch 1 to 32) at contexts from 128 to 4,096 with the
 context split in 1, 2, 4, 8 or 16 parts and as `choose_num_splits` picks, each timed inside a
 CUDA graph (as the engine replays decode steps, so the reduce kernel costs its in-graph launch).
@@ -153,6 +157,32 @@ def sweep_unified(output: str) -> None:
     print_overall(results)
 
 
+def sweep_order(output: str, cache_gib: float) -> None:
+    results = []
+    for name, num_heads, num_kv_heads, batch, mean_ctx, max_seq_len in CASES:
+        if batch == 1:
+            continue
+        query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(
+            num_heads, num_kv_heads, batch, mean_ctx, cache_gib
+        )
+        out = torch.empty_like(query)
+        timings = {}
+        orders = {
+            "as drawn": torch.arange(batch, device=seq_lens.device),
+            "longest first": torch.argsort(seq_lens, descending=True),
+            "shortest first": torch.argsort(seq_lens),
+        }
+        for label, order in orders.items():
+            args = (out, query[order], kv_cache, qsl, seq_lens[order], block_tables[order], 1, max_seq_len, 0.088)
+            ms = triton.testing.do_bench(functools.partial(tpa.triton_paged_attention, *args), warmup=10, rep=50)
+            timings[label] = {"us": 1e3 * ms, "tb_per_s": kv_bytes / ms / 1e9}
+        print(f"{name}: " + ", ".join(f"{k} {v['us']:.1f} us ({v['tb_per_s']:.2f} TB/s)" for k, v in timings.items()))
+        results.append({"case": name, "kv_bytes": kv_bytes, "by_order": timings})
+        del query, kv_cache, out
+        torch.cuda.empty_cache()
+    Path(output).write_text(json.dumps(results, indent=1))
+
+
 SPLIT_CASES = [(batch, ctx) for batch in (1, 8, 32) for ctx in (128, 384, 640, 1024, 2048, 4096)]
 
 
@@ -196,7 +226,7 @@ def print_overall(results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="sweep_decode_attention.json")
-    parser.add_argument("--kernel", choices=("decode", "unified", "splits"), default="decode")
+    parser.add_argument("--kernel", choices=("decode", "unified", "splits", "order"), default="decode")
     parser.add_argument(
         "--cache-gib", type=float, default=0.0, help="decode: spread the blocks over a cache this large (TLB effects)"
     )
@@ -205,6 +235,8 @@ def main() -> None:
         sweep_unified(args.output)
     elif args.kernel == "splits":
         sweep_splits(args.output)
+    elif args.kernel == "order":
+        sweep_order(args.output, args.cache_gib)
     else:
         sweep_decode(args.output, args.cache_gib)
 

@@ -4,8 +4,9 @@
 # of the 1000-prompt run: a few prompts prefilled next to ~250 decodes each step) and at batch 1,
 # and of the Qwen3-0.6B shape on the nano-vllm protocol (in this process, and in the engine-core
 # process as the bench runs it); the attention kernels on mixed batches
-# (benchmarks/bench_attention_mixed.py) and on fresh prompts against PyTorch's flash attention
-# (benchmarks/bench_prefill_attention.py). Results land in $OUT/profiles.tgz, summaries are printed.
+# (benchmarks/bench_attention_mixed.py), on fresh prompts against PyTorch's flash attention
+# (benchmarks/bench_prefill_attention.py) and on decode batches in three request orders
+# (benchmarks/sweep_attention.py --kernel order). Results land in $OUT/profiles.tgz, summaries are printed.
 #   run(command="bash tests/gpu/run_profiles.sh", carry=[".whl", "shoal/_C.so", "shoal/_C.so.json"])
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -21,6 +22,8 @@ profile() {  # profile NAME MODEL ARGS...
 }
 timeout 120 python3 benchmarks/bench_attention_mixed.py --output "$RESULTS/attention_mixed.json" 2>&1 | tail -4
 timeout 120 python3 benchmarks/bench_prefill_attention.py --output "$RESULTS/prefill_attention.json" 2>&1 | tail -8
+timeout 120 python3 benchmarks/sweep_attention.py --kernel order --cache-gib 100 --output "$RESULTS/decode_order.json" \
+  2>&1 | tail -4
 # Prefix caching off: the runs after the profiled one repeat the prompts, and their walls count.
 profile llama8b_nano llama-3.1-8b --nano --engine-arg enable_prefix_caching=False
 profile llama8b_400x1024 llama-3.1-8b --num-prompts 400 --input-len 1024 --output-len 128 \
