@@ -16,4 +16,7 @@ python3 -m shoal.kernels.build 2>&1 | tail -1
 timeout -k 10 "${SHOAL_TEST_TIMEOUT_S:-420}" python3 -m pytest -v -m gpu -p no:cacheprovider -rfE --durations=10 \
   tests --deselect tests/gpu/test_gpu_demo_model.py > "$OUT/pytest-gpu.log" 2>&1
 echo "gpu tests rc=$?"; grep -E "(FAILED|ERROR)( |$)|^=+ .*(passed|failed|error)" "$OUT/pytest-gpu.log" | tail -15
-SHOAL_BENCH_TIMEOUT_S=${SHOAL_BENCH_TIMEOUT_S:-170} bash tests/gpu/run_bench.sh 2>&1 | grep -A40 "^summary"
+# The bench gets what the device call's 600 s leave (it needs ~160 s; at its limit it is
+# interrupted and still prints its summary).
+bench_s=$(( 585 - SECONDS )); (( bench_s > 270 )) && bench_s=270
+SHOAL_BENCH_TIMEOUT_S=${SHOAL_BENCH_TIMEOUT_S:-$bench_s} bash tests/gpu/run_bench.sh 2>&1 | grep -A40 "^summary"
