@@ -54,6 +54,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # len(all_token_ids), kept by append_output_token_id (the only writer): the scheduler reads
+        # it several times per request and step, where a property call is measurable.
+        self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         # Tokens being sampled by steps still in flight (async scheduling runs a request one
         # step ahead of its known tokens; the workers feed those tokens in on the device).
@@ -71,12 +74,8 @@ class Request:
         self.num_preemptions = 0
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -92,6 +91,7 @@ class Request:
 
     def append_output_token_id(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def take_unsent_output_token_ids(self) -> list[int]:
         """Output tokens sampled since the workers last heard of this request."""
