@@ -50,9 +50,13 @@ def gemv_kernel_for(x: torch.Tensor, weight: torch.Tensor) -> GemvKernel | None:
     return registered_kernel("gemv", x)
 
 
-def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    kernel = gemv_kernel_for(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias): the gemv kernel where `gemv_kernel_for` takes x's
+    rows (leading dims flattened), else F.linear."""
+    rows = x.reshape(-1, x.shape[-1])
+    kernel = gemv_kernel_for(rows, weight)
     if kernel is None:
-        gemv_ref(out, x, weight, bias)
-    else:
-        kernel(out, x, weight, bias)
+        return F.linear(x, weight, bias)
+    out = rows.new_empty(rows.shape[0], weight.shape[0])
+    kernel(out, rows, weight, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from shoal.kernels.gemv import gemv_kernel_for
+from shoal.kernels import gemv
 from shoal.layers.weight_utils import new_parameter
 
 WeightLoader = Callable[..., None]
@@ -46,10 +45,4 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = new_parameter(layer.output_size, layer.input_size, weight_loader=weight_loader)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        kernel = gemv_kernel_for(rows, layer.weight)
-        if kernel is None:
-            return F.linear(x, layer.weight, bias)
-        out = rows.new_empty(rows.shape[0], layer.weight.shape[0])
-        kernel(out, rows, layer.weight, bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return gemv.linear(x, layer.weight, bias)
