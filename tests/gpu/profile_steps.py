@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from shoal import LLM, SamplingParams
+from shoal.bench.throughput import engine_step_times
 from shoal.bench.workloads import fixed_lengths, random_nano
 from shoal.workers.profiler import device_busy_s
 
@@ -96,9 +97,8 @@ def engine_process_report(llm: LLM, prompts: list, params: list, trace_dir: Path
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     [summary] = llm.stop_profile()
-    stats = llm.get_stats()
-    steps = stats["num_steps"] - stats_before["num_steps"]
-    own = (stats["step_s"] - stats_before["step_s"]) - (stats["execute_model_s"] - stats_before["execute_model_s"])
+    times = engine_step_times(stats_before, llm.get_stats())
+    steps = times["num_steps"]
     busy = summary["device_busy_s"]
     busy_line = "device busy: none recorded (a CPU worker)"
     if busy is not None:
@@ -110,7 +110,7 @@ def engine_process_report(llm: LLM, prompts: list, params: list, trace_dir: Path
         f"wall {wall:.3f} s (under the profiler, engine core in its own process), {steps} steps, "
         f"{1e3 * wall / max(steps, 1):.3f} ms/step",
         busy_line,
-        f"engine's own time (schedule + update) {1e6 * own / max(steps, 1):.0f} us/step",
+        f"engine's own time (schedule + update) {times['engine_overhead_us_per_step']:.0f} us/step",
         f"trace {summary['trace']}",
         summary["table"],
     ]
@@ -128,15 +128,14 @@ def in_process_report(llm: LLM, prompts: list, params: list) -> list[str]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    stats = llm.get_stats()
-    steps = stats["num_steps"] - stats_before["num_steps"]
-    own = (stats["step_s"] - stats_before["step_s"]) - (stats["execute_model_s"] - stats_before["execute_model_s"])
+    times = engine_step_times(stats_before, llm.get_stats())
+    steps = times["num_steps"]
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
     lines.append(f"wall {wall:.3f} s (under the profiler), {steps} steps, {1e3 * wall / max(steps, 1):.3f} ms/step")
     lines.append(f"device kernel time {kernel_us / 1e6:.3f} s = {100 * kernel_us / 1e6 / wall:.1f}% of wall")
     busy_s = device_busy_s(prof)
     lines.append(f"device busy (union of kernel intervals) {busy_s:.3f} s = {100 * busy_s / wall:.1f}% of wall")
-    lines.append(f"engine's own time (schedule + update) {1e6 * own / max(steps, 1):.0f} us/step")
+    lines.append(f"engine's own time (schedule + update) {times['engine_overhead_us_per_step']:.0f} us/step")
     lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
