@@ -11,8 +11,10 @@ cache (bench_kernels.py's `time_per_call`), so they are read from HBM as in a fo
 report gives microseconds per call, the achieved bandwidth of the weight read (TB/s and share of
 the H200's 4.26 TB/s copy bandwidth) and the speed-up of gemv over F.linear.
 
-`--sweep` times a grid of GemvTuning values on Llama-3.1-8B's qkv and o shapes (M = 1 unless
---m says otherwise) and prints the best settings.
+`--sweep` times a grid of GemvTuning values on Llama-3.1-8B's qkv and o shapes (or --shapes;
+--grid replaces a field's values; M = 1 unless --m says otherwise) and prints the best settings:
+
+    python3 benchmarks/bench_gemv.py --sweep --shapes "llama-8b down" --grid programs_per_sm=0
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ SHAPES = {  # (N, K) of each projection's weight, tensor parallelism 1
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
 }
 MS = [1, 2, 4, 8]
-SWEEP_SHAPES = {"llama-8b qkv": SHAPES["llama-8b"]["qkv"], "llama-8b o": SHAPES["llama-8b"]["o"]}
+SWEEP_SHAPES = {f"llama-8b {name}": shape for name, shape in SHAPES["llama-8b"].items()}
+DEFAULT_SWEEP_SHAPES = ["llama-8b qkv", "llama-8b o"]
 SWEEP_GRID = {
     "block_n": (4, 8, 16),
     "block_k": (256, 512, 1024),
@@ -110,17 +113,18 @@ def bench(models: list[str], ms: list[int]) -> list[dict[str, Any]]:
     return results
 
 
-def sweep(ms: list[int]) -> list[dict[str, Any]]:
+def sweep(shapes: list[str], ms: list[int], grid: dict[str, tuple[int, ...]]) -> list[dict[str, Any]]:
     from shoal.kernels.triton.gemv import GemvTuning, triton_gemv
 
     results = []
-    for (shape, (n, k)), m in itertools.product(SWEEP_SHAPES.items(), ms):
+    for shape, m in itertools.product(shapes, ms):
+        n, k = SWEEP_SHAPES[shape]
         ops = Operands(m, n, k)
         torch_us = ops.time_us(lambda i, ops=ops: F.linear(ops.x, ops.weight(i)))
         results.append({"shape": shape, "m": m, "tuning": "F.linear", **ops.measurement(torch_us)})
         print(f"{shape} m={m} F.linear: {torch_us:.2f} us")
-        for values in itertools.product(*SWEEP_GRID.values()):
-            tuning = GemvTuning(**dict(zip(SWEEP_GRID, values)))
+        for values in itertools.product(*grid.values()):
+            tuning = GemvTuning(**dict(zip(grid, values)))
             row: dict[str, Any] = {"shape": shape, "m": m, "tuning": vars(tuning)}
             try:
                 us = ops.time_us(lambda i, ops=ops, t=tuning: triton_gemv(ops.out, ops.x, ops.weight(i), None, t))
@@ -161,7 +165,11 @@ def print_sweep(results: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, default=Path("bench_gemv.json"))
-    parser.add_argument("--sweep", action="store_true", help="sweep GemvTuning on Llama-3.1-8B's qkv and o")
+    parser.add_argument("--sweep", action="store_true", help="sweep GemvTuning (on --shapes)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SWEEP_SHAPES), default=DEFAULT_SWEEP_SHAPES)
+    parser.add_argument(
+        "--grid", nargs="+", default=[], metavar="FIELD=V1,V2", help="replace the sweep's values of a GemvTuning field"
+    )
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--m", type=int, nargs="+", default=None, help=f"rows of x (default {MS}; sweep: 1)")
     args = parser.parse_args()
@@ -178,7 +186,11 @@ def main() -> None:
         "peak_bandwidth_tb_per_s": PEAK_BANDWIDTH_BYTES / 1e12,
     }
     if args.sweep:
-        report["sweep"] = results = sweep(args.m or [1])
+        grid = dict(SWEEP_GRID)
+        for item in args.grid:
+            field, values = item.split("=")
+            grid[field] = tuple(int(v) for v in values.split(","))
+        report["sweep"] = results = sweep(args.shapes, args.m or [1], grid)
         print_sweep(results)
     else:
         report["gemv"] = results = bench(args.models, args.m or MS)
