@@ -15,6 +15,7 @@ the H200's 4.26 TB/s copy bandwidth) and the speed-up of gemv over F.linear.
 --grid replaces a field's values; M = 1 unless --m says otherwise) and prints the best settings:
 
     python3 benchmarks/bench_gemv.py --sweep --shapes "llama-8b down" --grid programs_per_sm=0
+    python3 benchmarks/bench_gemv.py --sweep --swiglu --shapes "llama-8b down"   # silu_and_mul fused
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ DTYPE = torch.bfloat16
 class Operands:
     """x [m, k], the weight [n, k] as enough copies to defeat L2, and an output; fn(i) uses copy i."""
 
-    def __init__(self, m: int, n: int, k: int):
+    def __init__(self, m: int, n: int, k: int, swiglu: bool = False):
         self.m, self.n, self.k = m, n, k
+        self.gate_up = torch.randn(m, 2 * k, device="cuda", dtype=DTYPE) if swiglu else None
         self.weight_bytes = n * k * DTYPE.itemsize
         copies = max(1, -(-L2_FLUSH_BYTES // self.weight_bytes))
         self.calls = min(max(20, copies), 64)  # every copy is used within one graph
@@ -113,21 +115,32 @@ def bench(models: list[str], ms: list[int]) -> list[dict[str, Any]]:
     return results
 
 
-def sweep(shapes: list[str], ms: list[int], grid: dict[str, tuple[int, ...]]) -> list[dict[str, Any]]:
+def sweep(shapes: list[str], ms: list[int], grid: dict[str, tuple[int, ...]], swiglu: bool) -> list[dict[str, Any]]:
+    """With `swiglu`: the gemv with its input activated in the kernel (x = [gate, up]) against
+    silu_and_mul then F.linear."""
     from shoal.kernels.triton.gemv import GemvTuning, triton_gemv
+    from shoal.layers.activation import silu_and_mul
 
     results = []
     for shape, m in itertools.product(shapes, ms):
         n, k = SWEEP_SHAPES[shape]
-        ops = Operands(m, n, k)
-        torch_us = ops.time_us(lambda i, ops=ops: F.linear(ops.x, ops.weight(i)))
-        results.append({"shape": shape, "m": m, "tuning": "F.linear", **ops.measurement(torch_us)})
-        print(f"{shape} m={m} F.linear: {torch_us:.2f} us")
+        ops = Operands(m, n, k, swiglu)
+        if swiglu:
+            shape += " (silu_and_mul fused)"
+            baseline, x = "silu_and_mul + F.linear", ops.gate_up
+            torch_us = ops.time_us(lambda i, ops=ops: F.linear(silu_and_mul(ops.gate_up), ops.weight(i)))
+        else:
+            baseline, x = "F.linear", ops.x
+            torch_us = ops.time_us(lambda i, ops=ops: F.linear(ops.x, ops.weight(i)))
+        results.append({"shape": shape, "m": m, "tuning": baseline, **ops.measurement(torch_us)})
+        print(f"{shape} m={m} {baseline}: {torch_us:.2f} us")
         for values in itertools.product(*grid.values()):
             tuning = GemvTuning(**dict(zip(grid, values)))
             row: dict[str, Any] = {"shape": shape, "m": m, "tuning": vars(tuning)}
             try:
-                us = ops.time_us(lambda i, ops=ops, t=tuning: triton_gemv(ops.out, ops.x, ops.weight(i), None, t))
+                us = ops.time_us(
+                    lambda i, ops=ops, t=tuning, x=x: triton_gemv(ops.out, x, ops.weight(i), None, t, swiglu=swiglu)
+                )
             except Exception as error:  # a setting that does not compile or fit (e.g. OutOfResources)
                 row["error"] = str(error).splitlines()[0]
                 results.append(row)
@@ -155,9 +168,9 @@ def print_sweep(results: list[dict[str, Any]]) -> None:
     print("\nbest settings per shape")
     for key in dict.fromkeys((r["shape"], r["m"]) for r in results):
         rows = [r for r in results if (r["shape"], r["m"]) == key and "us" in r]
-        baseline = next(r for r in rows if r["tuning"] == "F.linear")
+        baseline = next(r for r in rows if isinstance(r["tuning"], str))
         best = sorted((r for r in rows if r is not baseline), key=lambda r: r["us"])[:5]
-        print(f"{key[0]} m={key[1]}: F.linear {baseline['us']:.2f} us ({baseline['share_of_peak']:.1%})")
+        print(f"{key[0]} m={key[1]}: {baseline['tuning']} {baseline['us']:.2f} us ({baseline['share_of_peak']:.1%})")
         for r in best:
             print(f"   {r['us']:.2f} us ({r['share_of_peak']:.1%}) {r['tuning']}")
 
@@ -167,6 +180,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("bench_gemv.json"))
     parser.add_argument("--sweep", action="store_true", help="sweep GemvTuning (on --shapes)")
     parser.add_argument("--shapes", nargs="+", choices=list(SWEEP_SHAPES), default=DEFAULT_SWEEP_SHAPES)
+    parser.add_argument("--swiglu", action="store_true", help="sweep the down projection with silu_and_mul fused")
     parser.add_argument(
         "--grid", nargs="+", default=[], metavar="FIELD=V1,V2", help="replace the sweep's values of a GemvTuning field"
     )
@@ -190,7 +204,7 @@ def main() -> None:
         for item in args.grid:
             field, values = item.split("=")
             grid[field] = tuple(int(v) for v in values.split(","))
-        report["sweep"] = results = sweep(args.shapes, args.m or [1], grid)
+        report["sweep"] = results = sweep(args.shapes, args.m or [1], grid, args.swiglu)
         print_sweep(results)
     else:
         report["gemv"] = results = bench(args.models, args.m or MS)

@@ -178,7 +178,7 @@ def sweep_order(output: str, cache_gib: float) -> None:
             timings[label] = {"us": 1e3 * ms, "tb_per_s": kv_bytes / ms / 1e9}
         print(f"{name}: " + ", ".join(f"{k} {v['us']:.1f} us ({v['tb_per_s']:.2f} TB/s)" for k, v in timings.items()))
         results.append({"case": name, "kv_bytes": kv_bytes, "by_order": timings})
-        del query, kv_cache, out
+        del query, kv_cache, out, args  # args holds the cache too: free it before the next case's
         torch.cuda.empty_cache()
     Path(output).write_text(json.dumps(results, indent=1))
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shoal.distributed.parallel_state import get_tp_group
+from shoal.layers.activation import silu_and_mul
 from shoal.layers.quantization.base import LinearMethod, UnquantizedLinearMethod
 from shoal.layers.quantization.fp8 import Fp8LinearMethod
 from shoal.layers.quantization.fp8_config import Fp8Config
@@ -265,4 +266,16 @@ class RowParallelLinear(LinearBase):
             x = x.narrow(-1, self.tp_rank * self.input_size, self.input_size)  # [num_tokens, input_size / tp]
         bias = self.bias if self.tp_rank == 0 else None
         y = self.linear_method.apply(self, x, bias)  # [num_tokens, output_size], partial sum over ranks
+        return get_tp_group().all_reduce(y) if self.reduce_results else y
+
+    def forward_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for this rank's gate_up [num_tokens, 2 * input_size] = [gate, up]
+        (a SwiGLU MLP's activation and down projection): one fused kernel where the linear method
+        has one for these rows (the gemv kernel at batch 1), else silu_and_mul and forward."""
+        if not self.input_is_parallel:
+            raise ValueError("forward_swiglu takes this rank's gate and up halves (input_is_parallel=True)")
+        bias = self.bias if self.tp_rank == 0 else None
+        y = self.linear_method.apply_swiglu(self, gate_up, bias)
+        if y is None:
+            return self(silu_and_mul(gate_up))
         return get_tp_group().all_reduce(y) if self.reduce_results else y

@@ -36,6 +36,11 @@ class LinearMethod:
         """x [..., input_size] -> x W^T + bias [..., output_size], in x's dtype."""
         raise NotImplementedError
 
+    def apply_swiglu(self, layer: Any, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`apply` to silu(gate) * up for gate_up [..., 2 * input_size] = [gate, up], as one fused
+        kernel; None where the method has none for these rows (the layer runs the two ops)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """The weight in the model's dtype, applied with F.linear, or at decode batch sizes with the
@@ -46,3 +51,6 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gemv.linear(x, layer.weight, bias)
+
+    def apply_swiglu(self, layer: Any, gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return gemv.swiglu_linear(gate_up, layer.weight, bias)
