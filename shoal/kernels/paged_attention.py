@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from shoal.forward_context import AttentionMetadata
 from shoal.kernels.dispatch import csrc_op, registered_kernel
+from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan, plan_fresh_prefills
 
 
 @dataclass
@@ -129,6 +130,9 @@ def paged_attention_ref(
 DECODE_KERNEL = "triton"
 # Head sizes the csrc kernel is compiled for.
 CSRC_HEAD_SIZES = (64, 128, 256)
+# Dtypes whose fresh prompts may run as flash attention on the step's keys and values (the
+# Triton kernel's FRESH_PREFILLS_BY_SDPA); float32 keeps every path reading the cache.
+FRESH_PREFILL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _attention_kernel(query: torch.Tensor, md: AttentionMetadata) -> Callable[..., object] | None:
@@ -139,28 +143,50 @@ def _attention_kernel(query: torch.Tensor, md: AttentionMetadata) -> Callable[..
     return registered_kernel("paged_attention", query) or csrc
 
 
+def _fresh_prefill_plan(
+    op: Callable[..., object],
+    query: torch.Tensor,
+    md: AttentionMetadata,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> FreshPrefillPlan | None:
+    """The batch's plan when the Triton kernel runs a batch with prefill tokens in half precision
+    and this step's keys are at hand; else None (the csrc op's schema takes no keys)."""
+    if key is None or value is None or md.max_query_len == 1 or query.dtype not in FRESH_PREFILL_DTYPES:
+        return None
+    if op is not registered_kernel("paged_attention", query):
+        return None
+    if md.fresh_prefill_plan is not None:
+        return md.fresh_prefill_plan
+    return plan_fresh_prefills(md.query_start_loc_cpu.numpy(), md.seq_lens_cpu.numpy())
+
+
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compiled schema: `paged_attention(out, query, kv_cache, query_start_loc, seq_lens,
     block_tables, max_query_len, max_seq_len, scale, num_splits=0) -> ()`, writing `out` like
-    `query` (num_splits: parts each context is split into; 0 lets the kernel choose)."""
+    `query` (num_splits: parts each context is split into; 0 lets the kernel choose).
+
+    key, value [num_tokens, num_kv_heads, head_size]: this step's keys and values, already in
+    the cache. Given them, the Triton kernel runs fresh prompts (no cached prefix) on them with
+    dense flash attention; every other path reads the cache alone and ignores them."""
     op = _attention_kernel(query, attn_metadata)
     if op is None:
         return paged_attention_ref(query, kv_cache, attn_metadata, scale)
     md = attn_metadata
     out = query.new_empty(query.shape)
-    op(
-        out,
-        query,
-        kv_cache,
-        md.query_start_loc,
-        md.seq_lens,
-        md.block_tables,
-        md.max_query_len,
-        md.max_seq_len,
-        scale,
-    )
+    args = (out, query, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len, md.max_seq_len)
+    plan = _fresh_prefill_plan(op, query, md, key, value)
+    if plan is None:
+        op(*args, scale)
+    else:
+        op(*args, scale, key=key, value=value, fresh_prefill_plan=plan)
     if out.shape[0] > md.num_tokens:  # rows past the batch (padding) are zero, as in the reference
         out[md.num_tokens :].zero_()
     return out

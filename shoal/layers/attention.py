@@ -49,7 +49,8 @@ class Attention(nn.Module):
                 raise RuntimeError("attention ran with metadata but no KV cache bound to the layer")
             if not kv_cached:
                 reshape_and_cache(k, v, self.kv_cache, attn_metadata.slot_mapping)
-            out = paged_attention(q, self.kv_cache, attn_metadata, self.scale)
+            # k and v too: fresh prompts can attend over them directly instead of the cache.
+            out = paged_attention(q, self.kv_cache, attn_metadata, self.scale, key=k, value=v)
         return out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
 
     def _forward_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
+from shoal.kernels.fresh_prefill_attention import plan_fresh_prefills
 from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner
 from shoal.workers.input_batch import InputBatch, RequestState
@@ -283,6 +284,7 @@ class ModelRunner:
             block_tables=block_tables,
             slot_mapping=slot_mapping,
         )
+        is_decode_only = bool((query_lens == 1).all())
         return AttentionMetadata(
             num_reqs=len(seq_lens),
             num_tokens=int(query_start_loc[-1]),
@@ -294,7 +296,8 @@ class ModelRunner:
             slot_mapping=views["slot_mapping"],
             query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
-            is_decode_only=bool((query_lens == 1).all()),
+            is_decode_only=is_decode_only,
+            fresh_prefill_plan=None if is_decode_only else plan_fresh_prefills(query_start_loc, seq_lens),
         )
 
     def _prompt_logprob_rows(

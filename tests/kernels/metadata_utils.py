@@ -83,3 +83,10 @@ def make_paged_attention_inputs(
     md = make_attention_metadata(query_lens, seq_lens, tables, block_size, device)
     query = torch.randn(md.num_tokens, num_heads, head_size, generator=gen).to(dtype)
     return query.to(device), kv_cache.to(device), md
+
+
+def new_keys_and_values(kv_cache: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's keys and values, [num_tokens, num_kv_heads, head_size] each, read back from
+    the cache at the batch's slots (what an attention layer holds beside the cache it wrote)."""
+    slots = md.slot_mapping.long()
+    return kv_cache[0].flatten(0, 1)[slots], kv_cache[1].flatten(0, 1)[slots]

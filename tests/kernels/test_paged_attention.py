@@ -9,7 +9,12 @@ from shoal.kernels.reshape_and_cache import reshape_and_cache_ref
 from tests.kernels.attention_cases import GPU_BATCHES, GPU_HEADS, GPU_TOLERANCE, run_compiled
 from tests.kernels.csrc_utils import DTYPES as CSRC_DTYPES
 from tests.kernels.csrc_utils import csrc_op
-from tests.kernels.metadata_utils import allocate_block_tables, make_attention_metadata, make_paged_attention_inputs
+from tests.kernels.metadata_utils import (
+    allocate_block_tables,
+    make_attention_metadata,
+    make_paged_attention_inputs,
+    new_keys_and_values,
+)
 
 # (query_lens, seq_lens): pure prefill, pure decode, chunked prefill, and a mix of all three.
 BATCHES = [
@@ -76,6 +81,16 @@ def test_padding_rows_are_zero():
     md.num_tokens = 3
     out = paged_attention_ref(query, torch.randn(2, 3, 4, 2, 8), md, 1.0)
     assert torch.count_nonzero(out[3]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_and_values_leave_the_cpu_path_unchanged(dtype):
+    """The CPU reference reads the cache alone: passing this step's keys and values changes no bit."""
+    query, kv_cache, md = make_paged_attention_inputs([6, 6, 1, 3], [6, 6, 9, 10], 4, 2, 16, 4, dtype)
+    key, value = new_keys_and_values(kv_cache, md)
+    assert torch.equal(
+        paged_attention(query, kv_cache, md, 0.25, key, value), paged_attention(query, kv_cache, md, 0.25)
+    )
 
 
 # --- the compiled kernels against the reference (GPU) ----------------------------------------------

@@ -56,10 +56,12 @@ class GemvTuning:
 
 
 GEMV_TUNING = GemvTuning()
-# Rows of 8,192 columns or more (an MLP's down projection): wider tiles and 8 warps. Sweep on
-# Llama-3.1-8B's down (4096 x 14336) at one row: 28.8 us (95.6% of the copy rate) against 30.3
-# with GEMV_TUNING and cuBLAS's 31.1 (bench_gemv.py --sweep --shapes "llama-8b down").
-LONG_ROW_TUNING = GemvTuning(block_k=1024, num_warps=8)
+# Rows of 8,192 columns or more (an MLP's down projection): 2-row programs, 1,024-column tiles.
+# Sweep on Llama-3.1-8B's down (4096 x 14336) at one row: 28.7 us (96% of the copy rate)
+# against 30.3 with GEMV_TUNING and cuBLAS's 31.1 (bench_gemv.py --sweep --shapes "llama-8b
+# down"). Its 128 vectors per tile row match 4 warps' 128 threads, so each thread holds both
+# rows of its vector and SWIGLU activates it once.
+LONG_ROW_TUNING = GemvTuning(block_n=2, block_k=1024, num_warps=4)
 
 
 def tuning_for(k: int) -> GemvTuning:

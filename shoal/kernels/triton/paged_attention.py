@@ -19,6 +19,12 @@ Two kernels:
   decode-only batch runs these alone; a mixed batch runs them for its one-token requests and
   the unified kernel for the rest (`SPLIT_MIXED_BATCHES`).
 
+Fresh prompts (no cached prefix: seq_len == query_len) leave both kernels when the caller passes
+this step's keys and values and the batch's `FreshPrefillPlan`: they run as PyTorch's flash
+attention on those keys and values (shoal/kernels/fresh_prefill_attention.py), the unified kernel
+skips them (SKIP_FRESH) and is not launched at all when no prefill chunk after a cached prefix is
+left (`FRESH_PREFILLS_BY_SDPA`).
+
 Numbering the unified kernel's programs: the query tiles of all requests share one grid axis
 with no host-side list. Request i's tiles are numbered from query_start_loc[i] // BLOCK_Q + i,
 which leaves room for its ceil(query_len_i / BLOCK_Q) tiles (floor((a + q) / B) - floor(a / B)
@@ -36,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan, fresh_prefill_attention
 from shoal.kernels.triton import num_sms
 
 LOG2E = 1.4426950408889634
@@ -84,6 +91,12 @@ UNIFIED_TUNING = UnifiedTuning()
 # BLOCK_M rows and short BLOCK_N tiles are shaped for many query tokens, and on a lone token
 # they leave most of the tile empty while the context streams by (benchmarks/bench_attention_mixed.py).
 SPLIT_MIXED_BATCHES = True
+# Fresh prompts of a batch with prefill tokens run as PyTorch's flash attention (SDPA) on the
+# step's own keys and values, given them: causal prefill attention in TFLOP/s, unified kernel
+# vs SDPA (`python3 benchmarks/bench_prefill_attention.py`, one H200, 2026-12-01): Llama-8B heads
+# 8 prompts x 1,024 tokens 230 vs 435, 2 x 1,024 70 vs 327, 2 x 4,096 278 vs 563; Qwen3-0.6B
+# heads 16 x 512 57 vs 307.
+FRESH_PREFILLS_BY_SDPA = True
 
 
 @triton.jit
@@ -128,6 +141,7 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,  # context positions per tile
     DOT_PRECISION: tl.constexpr,
     SKIP_DECODES: tl.constexpr,  # requests with one new token are the decode kernel's
+    SKIP_FRESH: tl.constexpr,  # prompts with no cached prefix (and more than one token) are SDPA's
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,6 +155,8 @@ def _unified_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - query_len
+    if SKIP_FRESH and context_len == 0 and query_len > 1:
+        return
 
     offs_m = tl.arange(0, BLOCK_M)
     q_token = local_tile * BLOCK_Q + offs_m // HEADS_PER_KV  # [BLOCK_M] token within the request
@@ -335,6 +351,7 @@ def _unified_attention(
     block_tables: torch.Tensor,
     scale: float,
     skip_decodes: bool = False,
+    skip_fresh: bool = False,
 ) -> None:
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -370,6 +387,7 @@ def _unified_attention(
         BLOCK_N=tuning.block_n if head_pad <= 128 else min(tuning.block_n, 32),
         DOT_PRECISION=_dot_precision(query.dtype),
         SKIP_DECODES=skip_decodes,
+        SKIP_FRESH=skip_fresh,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )
@@ -455,6 +473,30 @@ def _decode_attention(
         )
 
 
+# out, query, kv_cache, query_start_loc, seq_lens, block_tables: what every launch below takes first.
+_BatchArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _with_fresh_prefills_by_sdpa(
+    args: _BatchArgs,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: FreshPrefillPlan,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int,
+) -> None:
+    """A batch with prefill tokens, each launch only where it has requests: the decode kernel for
+    the one-token requests, SDPA for the fresh prompts, the unified kernel for the chunks after a
+    cached prefix (and for the one-token requests too with SPLIT_MIXED_BATCHES off)."""
+    out, query = args[0], args[1]
+    if SPLIT_MIXED_BATCHES and plan.num_decodes > 0:
+        _decode_attention(*args, max_seq_len, scale, num_splits)  # skips the requests with prefill tokens
+    fresh_prefill_attention(out, query, key, value, plan.groups, scale)
+    if plan.num_prefix_chunks > 0 or (plan.num_decodes > 0 and not SPLIT_MIXED_BATCHES):
+        _unified_attention(*args, scale, skip_decodes=SPLIT_MIXED_BATCHES, skip_fresh=True)
+
+
 def triton_paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -466,18 +508,25 @@ def triton_paged_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int = 0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    fresh_prefill_plan: FreshPrefillPlan | None = None,
 ) -> None:
     """The compiled op `paged_attention`: out [num_tokens, num_heads, head_size] (rows past the
     batch are left alone); kv_cache [2, num_blocks, block_size, num_kv_heads, head_size]; int32
     query_start_loc [num_reqs + 1], seq_lens [num_reqs], block_tables [num_reqs, max_blocks].
     Requests with one new token take the split-K decode kernel, the others the unified one
     (or, with SPLIT_MIXED_BATCHES off, every request of a batch with prefill tokens);
-    num_splits applies to the former (0: choose)."""
+    num_splits applies to the former (0: choose). Beyond the op's arguments: this step's key
+    and value [num_tokens, num_kv_heads, head_size] and the batch's plan, all three or none,
+    send the fresh prompts to SDPA (FRESH_PREFILLS_BY_SDPA)."""
     if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return
-    args = (out, query, kv_cache, query_start_loc, seq_lens, block_tables)
+    args: _BatchArgs = (out, query, kv_cache, query_start_loc, seq_lens, block_tables)
     if max_query_len == 1:
         _decode_attention(*args, max_seq_len, scale, num_splits)
+    elif FRESH_PREFILLS_BY_SDPA and key is not None and value is not None and fresh_prefill_plan is not None:
+        _with_fresh_prefills_by_sdpa(args, key, value, fresh_prefill_plan, max_seq_len, scale, num_splits)
     elif SPLIT_MIXED_BATCHES:
         _decode_attention(*args, max_seq_len, scale, num_splits)  # skips the requests with prefill tokens
         _unified_attention(*args, scale, skip_decodes=True)

@@ -1,0 +1,82 @@
+"""Causal attention of the fresh prompts of a batch as dense flash attention (PyTorch's
+`scaled_dot_product_attention`), beside the paged kernels that serve the rest.
+
+A fresh prompt is a request whose new tokens are its whole context (query_len > 1 and seq_len
+== query_len: the first chunk of a prompt without a prefix-cache hit). Its tokens attend only to
+each other, so the keys and values computed this step are all it needs, already contiguous in
+the step's rows: no block table, no cache reads. Consecutive fresh prompts of equal length are
+one SDPA call on a [num_prompts, heads, prompt_len, head_size] view of their rows.
+
+`plan_fresh_prefills` reads host arrays only, so the model runner builds the plan once per step
+(`AttentionMetadata.fresh_prefill_plan`) without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """`num_prompts` fresh prompts of `prompt_len` tokens each, back to back in the batch: query
+    rows `first_row : first_row + num_prompts * prompt_len`."""
+
+    first_row: int
+    num_prompts: int
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class FreshPrefillPlan:
+    """A batch's requests by who serves them: one-token requests (the decode kernel), fresh
+    prompts (SDPA, in `groups`) and prefill chunks after a cached prefix (the paged kernel)."""
+
+    groups: tuple[PromptGroup, ...]
+    num_decodes: int  # requests with one new token
+    num_prefix_chunks: int  # requests with more than one new token after context_len > 0 cached ones
+
+
+def plan_fresh_prefills(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> FreshPrefillPlan:
+    """query_start_loc [num_reqs + 1], seq_lens [num_reqs], on the host. Only adjacent requests
+    share a group, so that a group's rows are one contiguous slice."""
+    query_lens = np.diff(query_start_loc)
+    prefill = query_lens > 1
+    fresh = prefill & (seq_lens == query_lens)
+    groups: list[PromptGroup] = []
+    previous = -2
+    for i in np.flatnonzero(fresh).tolist():
+        prompt_len = int(query_lens[i])
+        if i == previous + 1 and groups[-1].prompt_len == prompt_len:
+            groups[-1] = replace(groups[-1], num_prompts=groups[-1].num_prompts + 1)
+        else:
+            groups.append(PromptGroup(int(query_start_loc[i]), 1, prompt_len))
+        previous = i
+    return FreshPrefillPlan(
+        groups=tuple(groups),
+        num_decodes=int(np.count_nonzero(query_lens == 1)),
+        num_prefix_chunks=int(np.count_nonzero(prefill & ~fresh)),
+    )
+
+
+def fresh_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    groups: tuple[PromptGroup, ...],
+    scale: float,
+) -> None:
+    """Write the groups' rows of `out` [num_tokens, num_heads, head_size]; query likewise, key
+    and value [num_tokens, num_kv_heads, head_size] (views with any token stride will do)."""
+    for group in groups:
+        rows = slice(group.first_row, group.first_row + group.num_prompts * group.prompt_len)
+        prompts = (group.num_prompts, group.prompt_len)
+        q, k, v = (x[rows].unflatten(0, prompts).transpose(1, 2) for x in (query, key, value))
+        # q [num_prompts, num_heads, prompt_len, head_size], k and v with num_kv_heads; each
+        # prompt's diagonal starts at its first token, which is SDPA's is_causal.
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out[rows].unflatten(0, prompts).copy_(attn.transpose(1, 2))  # [num_prompts, prompt_len, num_heads, head_size]

@@ -1,0 +1,38 @@
+"""The attention metadata the model runner builds once per step (the model itself runs in
+tests/models and tests/test_correctness.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.config import EngineArgs
+from shoal.kernels.fresh_prefill_attention import PromptGroup
+from shoal.workers.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_checkpoints: dict) -> ModelRunner:
+    config = EngineArgs(str(tiny_checkpoints["llama"]), device="cpu").create_engine_config()
+    return ModelRunner(config, torch.device("cpu"))
+
+
+def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]):
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    block_tables = np.zeros((len(query_lens), runner.max_blocks_per_req), dtype=np.int32)
+    slot_mapping = np.zeros(int(query_start_loc[-1]), dtype=np.int64)
+    return runner._attention_metadata(query_start_loc, np.array(seq_lens, dtype=np.int64), block_tables, slot_mapping)
+
+
+def test_prefill_steps_carry_the_fresh_prefill_plan(runner: ModelRunner) -> None:
+    md = _metadata(runner, [16, 16, 1, 4], [16, 16, 40, 20])
+    plan = md.fresh_prefill_plan
+    assert plan is not None
+    assert plan.groups == (PromptGroup(0, 2, 16),)
+    assert (plan.num_decodes, plan.num_prefix_chunks) == (1, 1)
+
+
+def test_decode_steps_build_no_plan(runner: ModelRunner) -> None:
+    md = _metadata(runner, [1, 1, 1], [5, 9, 2])
+    assert md.is_decode_only and md.fresh_prefill_plan is None
