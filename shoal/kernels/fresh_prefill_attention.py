@@ -18,6 +18,19 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from shoal import envs
+
+# SDPA's backends for fresh prompts: flash and memory-efficient attention take any prompt length
+# as it comes. Left to choose, SDPA also considers cuDNN's attention, which builds a plan per new
+# shape; one H200, SDPA's own pick: the nano-vllm protocol (256 prompts of 100-1,024 tokens)
+# ran 9,640 -> 5,894 output tok/s on the Llama-3.1-8B shape and 23,992 -> 8,827 on Qwen3-0.6B's.
+SDPA_BACKENDS = (
+    None
+    if envs.SHOAL_FRESH_PREFILL_ATTENTION == "sdpa"
+    else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+)
 
 
 @dataclass(frozen=True)
@@ -78,5 +91,12 @@ def fresh_prefill_attention(
         q, k, v = (x[rows].unflatten(0, prompts).transpose(1, 2) for x in (query, key, value))
         # q [num_prompts, num_heads, prompt_len, head_size], k and v with num_kv_heads; each
         # prompt's diagonal starts at its first token, which is SDPA's is_causal.
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        attn = _sdpa(q, k, v, scale)
         out[rows].unflatten(0, prompts).copy_(attn.transpose(1, 2))  # [num_prompts, prompt_len, num_heads, head_size]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    if SDPA_BACKENDS is None or q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

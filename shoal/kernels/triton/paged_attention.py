@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import envs
 from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan, fresh_prefill_attention
 from shoal.kernels.triton import num_sms
 
@@ -96,7 +97,8 @@ SPLIT_MIXED_BATCHES = True
 # vs SDPA (`python3 benchmarks/bench_prefill_attention.py`, one H200, 2026-12-01): Llama-8B heads
 # 8 prompts x 1,024 tokens 230 vs 435, 2 x 1,024 70 vs 327, 2 x 4,096 278 vs 563; Qwen3-0.6B
 # heads 16 x 512 57 vs 307.
-FRESH_PREFILLS_BY_SDPA = True
+# SHOAL_FRESH_PREFILL_ATTENTION=paged keeps them in the unified kernel.
+FRESH_PREFILLS_BY_SDPA = envs.SHOAL_FRESH_PREFILL_ATTENTION != "paged"
 
 
 @triton.jit
