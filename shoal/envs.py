@@ -40,9 +40,11 @@ SHOAL_DISABLE_CSRC: bool = _bool("SHOAL_DISABLE_CSRC", False)
 # (shoal/kernels/gumbel_sample.py; 0 keeps the general path, e.g. to compare the two).
 SHOAL_FUSED_SAMPLING: bool = _bool("SHOAL_FUSED_SAMPLING", True)
 # Fresh prompts' attention on CUDA in half precision (shoal/kernels/fresh_prefill_attention.py):
-# "flash" (PyTorch's flash or memory-efficient SDPA backends), "sdpa" (whichever backend SDPA
-# picks) or "paged" (the unified paged kernel, like every other prefill chunk).
-SHOAL_FRESH_PREFILL_ATTENTION: str = _str("SHOAL_FRESH_PREFILL_ATTENTION", "flash")
+# "paged" (the unified paged kernel, like every other prefill chunk), "flash" (PyTorch's flash or
+# memory-efficient SDPA backends on the step's keys and values) or "sdpa" (whichever backend SDPA
+# picks). Paged is the default: on the nano-vllm protocol's ragged prompts the per-prompt SDPA
+# calls lose (BENCHMARKS.md, "Fresh prompts through SDPA").
+SHOAL_FRESH_PREFILL_ATTENTION: str = _str("SHOAL_FRESH_PREFILL_ATTENTION", "paged")
 # Where `LLM.start_profile()` writes its traces when given no directory (vLLM: VLLM_TORCH_PROFILER_DIR).
 SHOAL_TORCH_PROFILER_DIR: str | None = os.environ.get("SHOAL_TORCH_PROFILER_DIR") or None
 

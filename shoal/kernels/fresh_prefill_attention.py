@@ -7,6 +7,9 @@ each other, so the keys and values computed this step are all it needs, already 
 the step's rows: no block table, no cache reads. Consecutive fresh prompts of equal length are
 one SDPA call on a [num_prompts, heads, prompt_len, head_size] view of their rows.
 
+Off by default (SHOAL_FRESH_PREFILL_ATTENTION=paged): the kernel is faster per call, but one call
+per run of equal-length prompts loses on ragged batches (numbers below and in BENCHMARKS.md).
+
 `plan_fresh_prefills` reads host arrays only, so the model runner builds the plan once per step
 (`AttentionMetadata.fresh_prefill_plan`) without a device sync.
 """
@@ -22,10 +25,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shoal import envs
 
-# SDPA's backends for fresh prompts: flash and memory-efficient attention take any prompt length
-# as it comes. Left to choose, SDPA also considers cuDNN's attention, which builds a plan per new
-# shape; one H200, SDPA's own pick: the nano-vllm protocol (256 prompts of 100-1,024 tokens)
-# ran 9,640 -> 5,894 output tok/s on the Llama-3.1-8B shape and 23,992 -> 8,827 on Qwen3-0.6B's.
+# SDPA's backends under SHOAL_FRESH_PREFILL_ATTENTION=flash: flash and memory-efficient attention.
+# Left to choose (=sdpa), SDPA also takes backends that cost more per new prompt length: one
+# H200, the nano-vllm protocol (256 prompts of 100-1,024 tokens) on Qwen3-0.6B's shape ran 8,358
+# output tok/s that way, 19,499 with these two, 23,846 with the paged kernel (the default).
 SDPA_BACKENDS = (
     None
     if envs.SHOAL_FRESH_PREFILL_ATTENTION == "sdpa"

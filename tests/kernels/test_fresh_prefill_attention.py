@@ -125,6 +125,7 @@ def test_prefill_chunks_after_a_prefix_still_launch_the_unified_kernel(monkeypat
 
     monkeypatch.setattr(kernels, "_unified_attention", unified)
     monkeypatch.setattr(kernels, "_decode_attention", _recording(calls, "decode"))
+    monkeypatch.setattr(kernels, "FRESH_PREFILLS_BY_SDPA", True)
     query_lens, seq_lens = [8, 8, 4], [8, 8, 20]
     query, kv_cache, md = make_paged_attention_inputs(query_lens, seq_lens, 4, 2, 16, 4, torch.float32)
     k, v = new_keys_and_values(kv_cache, md)
@@ -164,6 +165,7 @@ def test_fresh_prompts_by_sdpa_on_gpu(monkeypatch, batch, num_heads, num_kv_head
         fresh_prefill_attention(out, query, key, value, groups, scale)
 
     monkeypatch.setattr(kernels, "fresh_prefill_attention", recording_sdpa)
+    monkeypatch.setattr(kernels, "FRESH_PREFILLS_BY_SDPA", True)
     query_lens, seq_lens = batch
     query, kv_cache, md = make_paged_attention_inputs(
         query_lens, seq_lens, num_heads, num_kv_heads, 128, 16, dtype, device="cuda"

@@ -19,11 +19,11 @@ Two kernels:
   decode-only batch runs these alone; a mixed batch runs them for its one-token requests and
   the unified kernel for the rest (`SPLIT_MIXED_BATCHES`).
 
-Fresh prompts (no cached prefix: seq_len == query_len) leave both kernels when the caller passes
-this step's keys and values and the batch's `FreshPrefillPlan`: they run as PyTorch's flash
-attention on those keys and values (shoal/kernels/fresh_prefill_attention.py), the unified kernel
-skips them (SKIP_FRESH) and is not launched at all when no prefill chunk after a cached prefix is
-left (`FRESH_PREFILLS_BY_SDPA`).
+With SHOAL_FRESH_PREFILL_ATTENTION=flash or sdpa (`FRESH_PREFILLS_BY_SDPA`; off by default),
+fresh prompts (no cached prefix: seq_len == query_len) leave both kernels when the caller passes
+this step's keys and values and the batch's `FreshPrefillPlan`: they run as PyTorch's SDPA on
+those keys and values (shoal/kernels/fresh_prefill_attention.py), the unified kernel skips them
+(SKIP_FRESH) and is not launched at all when no prefill chunk after a cached prefix is left.
 
 Numbering the unified kernel's programs: the query tiles of all requests share one grid axis
 with no host-side list. Request i's tiles are numbered from query_start_loc[i] // BLOCK_Q + i,
@@ -92,12 +92,14 @@ UNIFIED_TUNING = UnifiedTuning()
 # BLOCK_M rows and short BLOCK_N tiles are shaped for many query tokens, and on a lone token
 # they leave most of the tile empty while the context streams by (benchmarks/bench_attention_mixed.py).
 SPLIT_MIXED_BATCHES = True
-# Fresh prompts of a batch with prefill tokens run as PyTorch's flash attention (SDPA) on the
-# step's own keys and values, given them: causal prefill attention in TFLOP/s, unified kernel
-# vs SDPA (`python3 benchmarks/bench_prefill_attention.py`, one H200, 2026-12-01): Llama-8B heads
-# 8 prompts x 1,024 tokens 230 vs 435, 2 x 1,024 70 vs 327, 2 x 4,096 278 vs 563; Qwen3-0.6B
-# heads 16 x 512 57 vs 307.
-# SHOAL_FRESH_PREFILL_ATTENTION=paged keeps them in the unified kernel.
+# Fresh prompts of a batch with prefill tokens as PyTorch's SDPA on the step's own keys and
+# values, when SHOAL_FRESH_PREFILL_ATTENTION says so. The kernel alone is faster (causal prefill
+# attention in TFLOP/s, unified kernel vs SDPA, `python3 benchmarks/bench_prefill_attention.py`,
+# one H200, 2026-12-01: Llama-8B heads 8 prompts x 1,024 tokens 230 vs 435, 2 x 1,024 70 vs 327,
+# 2 x 4,096 278 vs 563; Qwen3-0.6B heads 16 x 512 57 vs 307), but one call per run of
+# equal-length prompts loses on ragged batches: the nano-vllm protocol on Qwen3-0.6B's shape ran
+# 23,846 output tok/s paged, 19,499 with flash, 8,358 with SDPA's own backend choice; so it is off
+# by default (BENCHMARKS.md, "Fresh prompts through SDPA").
 FRESH_PREFILLS_BY_SDPA = envs.SHOAL_FRESH_PREFILL_ATTENTION != "paged"
 
 
