@@ -39,9 +39,10 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32
     # True when every request computes exactly one token (a pure decode step).
     is_decode_only: bool = False
-    # A batch with prefill tokens: its fresh prompts grouped for dense attention and what is left
-    # for the paged kernels, from the host arrays (built once per step by the model runner; None
-    # where nobody built it: the attention builds it from the host copies).
+    # A batch with prefill tokens when fresh prompts go to SDPA (`fresh_prefill_attention.BY_SDPA`):
+    # its fresh prompts grouped for dense attention and what is left for the paged kernels, from
+    # the host arrays (built once per step by the model runner; None where nobody built it: the
+    # attention builds it from the host copies).
     fresh_prefill_plan: FreshPrefillPlan | None = None
     # Anything an attention backend precomputes for this batch (e.g. split-K work plans).
     backend_state: Any = None

@@ -16,6 +16,7 @@ per run of equal-length prompts loses on ragged batches (numbers below and in BE
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,6 +26,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shoal import envs
 
+# Whether fresh prompts leave the paged kernels at all (read at call time by the model runner,
+# which plans them, `paged_attention`, which hands the Triton kernel this step's keys, and that
+# kernel). The kernel alone is faster (causal prefill attention in TFLOP/s, unified kernel vs
+# SDPA, `python3 benchmarks/bench_prefill_attention.py`, one H200, 2026-12-01: Llama-8B heads 8
+# prompts x 1,024 tokens 230 vs 435, 2 x 1,024 70 vs 327, 2 x 4,096 278 vs 563; Qwen3-0.6B heads
+# 16 x 512 57 vs 307), but one call per run of equal-length prompts loses on ragged batches, so
+# it is off by default (BENCHMARKS.md, "Fresh prompts through SDPA").
+BY_SDPA = envs.SHOAL_FRESH_PREFILL_ATTENTION != "paged"
 # SDPA's backends under SHOAL_FRESH_PREFILL_ATTENTION=flash: flash and memory-efficient attention.
 # Left to choose (=sdpa), SDPA also takes backends that cost more per new prompt length: one
 # H200, the nano-vllm protocol (256 prompts of 100-1,024 tokens) on Qwen3-0.6B's shape ran 8,358
@@ -99,7 +108,6 @@ def fresh_prefill_attention(
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    if SDPA_BACKENDS is None or q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    with sdpa_kernel(SDPA_BACKENDS):
+    backends = sdpa_kernel(SDPA_BACKENDS) if SDPA_BACKENDS is not None and q.is_cuda else nullcontext()
+    with backends:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

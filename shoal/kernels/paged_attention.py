@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from shoal.forward_context import AttentionMetadata
+from shoal.kernels import fresh_prefill_attention as fresh
 from shoal.kernels.dispatch import csrc_op, registered_kernel
-from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan, plan_fresh_prefills
+from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan
 
 
 @dataclass
@@ -130,8 +131,8 @@ def paged_attention_ref(
 DECODE_KERNEL = "triton"
 # Head sizes the csrc kernel is compiled for.
 CSRC_HEAD_SIZES = (64, 128, 256)
-# Dtypes whose fresh prompts may run as flash attention on the step's keys and values (the
-# Triton kernel's FRESH_PREFILLS_BY_SDPA); float32 keeps every path reading the cache.
+# Dtypes whose fresh prompts may run as flash attention on the step's keys and values
+# (`fresh_prefill_attention.BY_SDPA`); float32 keeps every path reading the cache.
 FRESH_PREFILL_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -150,15 +151,18 @@ def _fresh_prefill_plan(
     key: torch.Tensor | None,
     value: torch.Tensor | None,
 ) -> FreshPrefillPlan | None:
-    """The batch's plan when the Triton kernel runs a batch with prefill tokens in half precision
-    and this step's keys are at hand; else None (the csrc op's schema takes no keys)."""
-    if key is None or value is None or md.max_query_len == 1 or query.dtype not in FRESH_PREFILL_DTYPES:
+    """The batch's plan when fresh prompts go to SDPA and the Triton kernel runs a batch with
+    prefill tokens in half precision with this step's keys at hand; else None (the csrc op's
+    schema takes no keys)."""
+    if not fresh.BY_SDPA or key is None or value is None:
+        return None
+    if md.max_query_len == 1 or query.dtype not in FRESH_PREFILL_DTYPES:
         return None
     if op is not registered_kernel("paged_attention", query):
         return None
     if md.fresh_prefill_plan is not None:
         return md.fresh_prefill_plan
-    return plan_fresh_prefills(md.query_start_loc_cpu.numpy(), md.seq_lens_cpu.numpy())
+    return fresh.plan_fresh_prefills(md.query_start_loc_cpu.numpy(), md.seq_lens_cpu.numpy())
 
 
 def paged_attention(

@@ -30,7 +30,7 @@ from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
-from shoal.kernels.fresh_prefill_attention import plan_fresh_prefills
+from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner
 from shoal.workers.input_batch import InputBatch, RequestState
@@ -285,6 +285,7 @@ class ModelRunner:
             slot_mapping=slot_mapping,
         )
         is_decode_only = bool((query_lens == 1).all())
+        plans_fresh_prefills = fresh_prefill_attention.BY_SDPA and not is_decode_only
         return AttentionMetadata(
             num_reqs=len(seq_lens),
             num_tokens=int(query_start_loc[-1]),
@@ -297,7 +298,9 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
             is_decode_only=is_decode_only,
-            fresh_prefill_plan=None if is_decode_only else plan_fresh_prefills(query_start_loc, seq_lens),
+            fresh_prefill_plan=(
+                fresh_prefill_attention.plan_fresh_prefills(query_start_loc, seq_lens) if plans_fresh_prefills else None
+            ),
         )
 
     def _prompt_logprob_rows(

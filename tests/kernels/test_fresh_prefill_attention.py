@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from shoal.kernels import fresh_prefill_attention as fresh_module
 from shoal.kernels.fresh_prefill_attention import (
     FreshPrefillPlan,
     PromptGroup,
@@ -94,7 +95,7 @@ def test_fresh_prompts_alone_launch_no_paged_kernel(monkeypatch, by_sdpa: bool) 
     calls: list[str] = []
     monkeypatch.setattr(kernels, "_unified_attention", _recording(calls, "unified"))
     monkeypatch.setattr(kernels, "_decode_attention", _recording(calls, "decode"))
-    monkeypatch.setattr(kernels, "FRESH_PREFILLS_BY_SDPA", by_sdpa)
+    monkeypatch.setattr(fresh_module, "BY_SDPA", by_sdpa)
     query_lens = [8, 8, 8, 5]
     query, kv_cache, md = make_paged_attention_inputs(query_lens, query_lens, 8, 2, 32, 4, torch.float32)
     q, k, v = _packed_keys_and_values(query, kv_cache, md)
@@ -125,7 +126,7 @@ def test_prefill_chunks_after_a_prefix_still_launch_the_unified_kernel(monkeypat
 
     monkeypatch.setattr(kernels, "_unified_attention", unified)
     monkeypatch.setattr(kernels, "_decode_attention", _recording(calls, "decode"))
-    monkeypatch.setattr(kernels, "FRESH_PREFILLS_BY_SDPA", True)
+    monkeypatch.setattr(fresh_module, "BY_SDPA", True)
     query_lens, seq_lens = [8, 8, 4], [8, 8, 20]
     query, kv_cache, md = make_paged_attention_inputs(query_lens, seq_lens, 4, 2, 16, 4, torch.float32)
     k, v = new_keys_and_values(kv_cache, md)
@@ -156,7 +157,6 @@ GPU_FRESH_BATCHES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fresh_prompts_by_sdpa_on_gpu(monkeypatch, batch, num_heads, num_kv_heads, dtype) -> None:
     from shoal.kernels.paged_attention import paged_attention
-    from shoal.kernels.triton import paged_attention as kernels
 
     groups_run: list[PromptGroup] = []
 
@@ -164,8 +164,8 @@ def test_fresh_prompts_by_sdpa_on_gpu(monkeypatch, batch, num_heads, num_kv_head
         groups_run.extend(groups)
         fresh_prefill_attention(out, query, key, value, groups, scale)
 
-    monkeypatch.setattr(kernels, "fresh_prefill_attention", recording_sdpa)
-    monkeypatch.setattr(kernels, "FRESH_PREFILLS_BY_SDPA", True)
+    monkeypatch.setattr(fresh_module, "fresh_prefill_attention", recording_sdpa)
+    monkeypatch.setattr(fresh_module, "BY_SDPA", True)
     query_lens, seq_lens = batch
     query, kv_cache, md = make_paged_attention_inputs(
         query_lens, seq_lens, num_heads, num_kv_heads, 128, 16, dtype, device="cuda"

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import torch
 
+from shoal.kernels import fresh_prefill_attention
 from shoal.kernels.fresh_prefill_attention import plan_fresh_prefills
 from shoal.kernels.paged_attention import paged_attention_ref
 from tests.kernels.metadata_utils import make_paged_attention_inputs, new_keys_and_values
@@ -77,6 +78,7 @@ def main() -> int:
     runs = ((t, c, fresh) for t in tunings for c in CASES + FRESH_CASES for fresh in (False, True))
     for (decode, unified, split_mixed), case, fresh in runs:
         kernels.DECODE_TUNING, kernels.UNIFIED_TUNING, kernels.SPLIT_MIXED_BATCHES = decode, unified, split_mixed
+        fresh_prefill_attention.BY_SDPA = fresh  # off by default: the SDPA runs turn it on
         failures += not check(kernels.triton_paged_attention, *case, fresh=fresh)
         print(f"   with {decode} {unified} split_mixed_batches={split_mixed} fresh_prefills_by_sdpa={fresh}")
     for case in FRESH_CASES:

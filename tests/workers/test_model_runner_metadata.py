@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shoal.config import EngineArgs
+from shoal.kernels import fresh_prefill_attention
 from shoal.kernels.fresh_prefill_attention import PromptGroup
 from shoal.workers.model_runner import ModelRunner
 
@@ -25,7 +26,8 @@ def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]):
     return runner._attention_metadata(query_start_loc, np.array(seq_lens, dtype=np.int64), block_tables, slot_mapping)
 
 
-def test_prefill_steps_carry_the_fresh_prefill_plan(runner: ModelRunner) -> None:
+def test_prefill_steps_carry_the_fresh_prefill_plan(runner: ModelRunner, monkeypatch) -> None:
+    monkeypatch.setattr(fresh_prefill_attention, "BY_SDPA", True)
     md = _metadata(runner, [16, 16, 1, 4], [16, 16, 40, 20])
     plan = md.fresh_prefill_plan
     assert plan is not None
@@ -36,3 +38,10 @@ def test_prefill_steps_carry_the_fresh_prefill_plan(runner: ModelRunner) -> None
 def test_decode_steps_build_no_plan(runner: ModelRunner) -> None:
     md = _metadata(runner, [1, 1, 1], [5, 9, 2])
     assert md.is_decode_only and md.fresh_prefill_plan is None
+
+
+def test_prefill_steps_build_no_plan_with_fresh_prompts_left_to_the_paged_kernel(
+    runner: ModelRunner, monkeypatch
+) -> None:
+    monkeypatch.setattr(fresh_prefill_attention, "BY_SDPA", False)
+    assert _metadata(runner, [16, 16, 1, 4], [16, 16, 40, 20]).fresh_prefill_plan is None

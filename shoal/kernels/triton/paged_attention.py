@@ -19,7 +19,7 @@ Two kernels:
   decode-only batch runs these alone; a mixed batch runs them for its one-token requests and
   the unified kernel for the rest (`SPLIT_MIXED_BATCHES`).
 
-With SHOAL_FRESH_PREFILL_ATTENTION=flash or sdpa (`FRESH_PREFILLS_BY_SDPA`; off by default),
+With SHOAL_FRESH_PREFILL_ATTENTION=flash or sdpa (`fresh_prefill_attention.BY_SDPA`; off by default),
 fresh prompts (no cached prefix: seq_len == query_len) leave both kernels when the caller passes
 this step's keys and values and the batch's `FreshPrefillPlan`: they run as PyTorch's SDPA on
 those keys and values (shoal/kernels/fresh_prefill_attention.py), the unified kernel skips them
@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal import envs
-from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan, fresh_prefill_attention
+from shoal.kernels import fresh_prefill_attention as fresh
+from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan
 from shoal.kernels.triton import num_sms
 
 LOG2E = 1.4426950408889634
@@ -92,15 +92,6 @@ UNIFIED_TUNING = UnifiedTuning()
 # BLOCK_M rows and short BLOCK_N tiles are shaped for many query tokens, and on a lone token
 # they leave most of the tile empty while the context streams by (benchmarks/bench_attention_mixed.py).
 SPLIT_MIXED_BATCHES = True
-# Fresh prompts of a batch with prefill tokens as PyTorch's SDPA on the step's own keys and
-# values, when SHOAL_FRESH_PREFILL_ATTENTION says so. The kernel alone is faster (causal prefill
-# attention in TFLOP/s, unified kernel vs SDPA, `python3 benchmarks/bench_prefill_attention.py`,
-# one H200, 2026-12-01: Llama-8B heads 8 prompts x 1,024 tokens 230 vs 435, 2 x 1,024 70 vs 327,
-# 2 x 4,096 278 vs 563; Qwen3-0.6B heads 16 x 512 57 vs 307), but one call per run of
-# equal-length prompts loses on ragged batches: the nano-vllm protocol on Qwen3-0.6B's shape ran
-# 23,846 output tok/s paged, 19,499 with flash, 8,358 with SDPA's own backend choice; so it is off
-# by default (BENCHMARKS.md, "Fresh prompts through SDPA").
-FRESH_PREFILLS_BY_SDPA = envs.SHOAL_FRESH_PREFILL_ATTENTION != "paged"
 
 
 @triton.jit
@@ -496,7 +487,7 @@ def _with_fresh_prefills_by_sdpa(
     out, query = args[0], args[1]
     if SPLIT_MIXED_BATCHES and plan.num_decodes > 0:
         _decode_attention(*args, max_seq_len, scale, num_splits)  # skips the requests with prefill tokens
-    fresh_prefill_attention(out, query, key, value, plan.groups, scale)
+    fresh.fresh_prefill_attention(out, query, key, value, plan.groups, scale)
     if plan.num_prefix_chunks > 0 or (plan.num_decodes > 0 and not SPLIT_MIXED_BATCHES):
         _unified_attention(*args, scale, skip_decodes=SPLIT_MIXED_BATCHES, skip_fresh=True)
 
@@ -523,13 +514,13 @@ def triton_paged_attention(
     (or, with SPLIT_MIXED_BATCHES off, every request of a batch with prefill tokens);
     num_splits applies to the former (0: choose). Beyond the op's arguments: this step's key
     and value [num_tokens, num_kv_heads, head_size] and the batch's plan, all three or none,
-    send the fresh prompts to SDPA (FRESH_PREFILLS_BY_SDPA)."""
+    send the fresh prompts to SDPA (when `fresh_prefill_attention.BY_SDPA`)."""
     if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return
     args: _BatchArgs = (out, query, kv_cache, query_start_loc, seq_lens, block_tables)
     if max_query_len == 1:
         _decode_attention(*args, max_seq_len, scale, num_splits)
-    elif FRESH_PREFILLS_BY_SDPA and key is not None and value is not None and fresh_prefill_plan is not None:
+    elif fresh.BY_SDPA and key is not None and value is not None and fresh_prefill_plan is not None:
         _with_fresh_prefills_by_sdpa(args, key, value, fresh_prefill_plan, max_seq_len, scale, num_splits)
     elif SPLIT_MIXED_BATCHES:
         _decode_attention(*args, max_seq_len, scale, num_splits)  # skips the requests with prefill tokens
