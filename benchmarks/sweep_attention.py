@@ -21,6 +21,7 @@ CUDA graph (as the engine replays decode steps, so the reduce kernel costs its i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -59,10 +60,16 @@ UNIFIED_GRID = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4,
 
 
 def make_case(
-    num_heads: int, num_kv_heads: int, batch: int, mean_ctx: int, cache_gib: float = 0.0, head_size: int = 128
+    num_heads: int,
+    num_kv_heads: int,
+    batch: int,
+    mean_ctx: int,
+    cache_gib: float = 0.0,
+    head_size: int = 128,
+    ctx_range: tuple[int, int] | None = None,
 ):
     generator = torch.Generator().manual_seed(0)
-    low, high = max(1, mean_ctx // 2), mean_ctx * 3 // 2
+    low, high = ctx_range or (max(1, mean_ctx // 2), mean_ctx * 3 // 2)
     seq_lens = torch.randint(low, high + 1, (batch,), generator=generator) if batch > 1 else torch.tensor([mean_ctx])
     blocks_per_req = -(-int(seq_lens.max()) // BLOCK_SIZE)
     num_blocks = int(sum(-(-int(n) // BLOCK_SIZE) for n in seq_lens)) + 16
@@ -157,13 +164,23 @@ def sweep_unified(output: str) -> None:
     print_overall(results)
 
 
+# (name, query heads, KV heads, batch, context range, max_seq_len): the nano-vllm protocol's
+# decode batches hold contexts from ~100 to ~2,048 tokens
+ORDER_CASES = [
+    (name, heads, kv_heads, batch, (mean // 2, mean * 3 // 2), max_len)
+    for name, heads, kv_heads, batch, mean, max_len in CASES
+    if batch > 1
+] + [
+    ("qwen3-0.6b b256 ctx 100-2048", 16, 8, 256, (100, 2048), 4096),
+    ("llama-8b b256 ctx 100-2048", 32, 8, 256, (100, 2048), 4096),
+]
+
+
 def sweep_order(output: str, cache_gib: float) -> None:
     results = []
-    for name, num_heads, num_kv_heads, batch, mean_ctx, max_seq_len in CASES:
-        if batch == 1:
-            continue
+    for name, num_heads, num_kv_heads, batch, ctx_range, max_seq_len in ORDER_CASES:
         query, kv_cache, qsl, seq_lens, block_tables, kv_bytes = make_case(
-            num_heads, num_kv_heads, batch, mean_ctx, cache_gib
+            num_heads, num_kv_heads, batch, 0, cache_gib, ctx_range=ctx_range
         )
         out = torch.empty_like(query)
         timings = {}
@@ -172,11 +189,17 @@ def sweep_order(output: str, cache_gib: float) -> None:
             "longest first": torch.argsort(seq_lens, descending=True),
             "shortest first": torch.argsort(seq_lens),
         }
-        for label, order in orders.items():
+        default = tpa.DECODE_TUNING
+        for (label, order), heads_fastest in itertools.product(orders.items(), (False, True)):
+            tpa.DECODE_TUNING = dataclasses.replace(default, heads_fastest=heads_fastest)
             args = (out, query[order], kv_cache, qsl, seq_lens[order], block_tables[order], 1, max_seq_len, 0.088)
             ms = triton.testing.do_bench(functools.partial(tpa.triton_paged_attention, *args), warmup=10, rep=50)
+            label = f"{label}, {'heads' if heads_fastest else 'requests'} fastest"
             timings[label] = {"us": 1e3 * ms, "tb_per_s": kv_bytes / ms / 1e9}
-        print(f"{name}: " + ", ".join(f"{k} {v['us']:.1f} us ({v['tb_per_s']:.2f} TB/s)" for k, v in timings.items()))
+        tpa.DECODE_TUNING = default
+        print(name)
+        for label, t in timings.items():
+            print(f"   {label:40s} {t['us']:7.1f} us  {t['tb_per_s']:.2f} TB/s")
         results.append({"case": name, "kv_bytes": kv_bytes, "by_order": timings})
         del query, kv_cache, out, args  # args holds the cache too: free it before the next case's
         torch.cuda.empty_cache()

@@ -72,7 +72,11 @@ def main() -> int:
     # with and without this step's keys and values, which send fresh prompts to SDPA.
     tunings = [
         (kernels.DecodeTuning(), kernels.UnifiedTuning(), True),
-        (kernels.DecodeTuning(block_n=32, programs_per_sm=64), kernels.UnifiedTuning(block_m=128, block_n=32), True),
+        (
+            kernels.DecodeTuning(block_n=32, programs_per_sm=64, heads_fastest=not kernels.DecodeTuning.heads_fastest),
+            kernels.UnifiedTuning(block_m=128, block_n=32),
+            True,
+        ),
         (kernels.DecodeTuning(), kernels.UnifiedTuning(), False),
     ]
     runs = ((t, c, fresh) for t in tunings for c in CASES + FRESH_CASES for fresh in (False, True))

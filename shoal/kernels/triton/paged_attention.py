@@ -70,6 +70,9 @@ class DecodeTuning:
     # gains less from splitting than the partial writes and the reduce kernel cost (sweep: batch
     # 256 runs 3.5% faster unsplit, batch 64 4% faster split).
     split_below_per_sm: int = 4
+    # Number the programs KV head first, so that the programs reading one cache block's KV heads
+    # (interleaved rows of one contiguous block) run side by side.
+    heads_fastest: bool = False
 
 
 DECODE_TUNING = DecodeTuning()
@@ -223,9 +226,14 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
     DOT_PRECISION: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,  # the grid is (KV heads, requests, splits), else (requests, KV heads, splits)
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        req = tl.program_id(1)
+    else:
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     row = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - row != 1:
@@ -420,7 +428,8 @@ def _decode_attention(
             query.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32),
             query.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32),
         ]
-    _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_reqs) if tuning.heads_fastest else (num_reqs, num_kv_heads)
+    _decode_kernel[(*grid, num_splits)](
         out,
         *partials,
         query,
@@ -447,6 +456,7 @@ def _decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
+        HEADS_FASTEST=tuning.heads_fastest,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )
