@@ -39,6 +39,9 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32
     # True when every request computes exactly one token (a pure decode step).
     is_decode_only: bool = False
+    # [num_reqs] int32: the requests, longest context first: the order the decode kernel starts
+    # them in (None: batch order).
+    decode_order: torch.Tensor | None = None
     # A batch with prefill tokens when fresh prompts go to SDPA (`fresh_prefill_attention.BY_SDPA`):
     # its fresh prompts grouped for dense attention and what is left for the paged kernels, from
     # the host arrays (built once per step by the model runner; None where nobody built it: the

@@ -145,20 +145,16 @@ def _attention_kernel(query: torch.Tensor, md: AttentionMetadata) -> Callable[..
 
 
 def _fresh_prefill_plan(
-    op: Callable[..., object],
     query: torch.Tensor,
     md: AttentionMetadata,
     key: torch.Tensor | None,
     value: torch.Tensor | None,
 ) -> FreshPrefillPlan | None:
-    """The batch's plan when fresh prompts go to SDPA and the Triton kernel runs a batch with
-    prefill tokens in half precision with this step's keys at hand; else None (the csrc op's
-    schema takes no keys)."""
+    """The batch's plan when fresh prompts go to SDPA and the (Triton) kernel runs a batch with
+    prefill tokens in half precision with this step's keys at hand; else None."""
     if not fresh.BY_SDPA or key is None or value is None:
         return None
     if md.max_query_len == 1 or query.dtype not in FRESH_PREFILL_DTYPES:
-        return None
-    if op is not registered_kernel("paged_attention", query):
         return None
     if md.fresh_prefill_plan is not None:
         return md.fresh_prefill_plan
@@ -186,11 +182,15 @@ def paged_attention(
     md = attn_metadata
     out = query.new_empty(query.shape)
     args = (out, query, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.max_query_len, md.max_seq_len)
-    plan = _fresh_prefill_plan(op, query, md, key, value)
-    if plan is None:
-        op(*args, scale)
-    else:
-        op(*args, scale, key=key, value=value, fresh_prefill_plan=plan)
+    # Beyond the csrc op's schema: what only the Triton kernel takes.
+    extra: dict[str, object] = {}
+    if op is registered_kernel("paged_attention", query):
+        plan = _fresh_prefill_plan(query, md, key, value)
+        if plan is not None:
+            extra.update(key=key, value=value, fresh_prefill_plan=plan)
+        if md.decode_order is not None:
+            extra["decode_order"] = md.decode_order
+    op(*args, scale, **extra)
     if out.shape[0] > md.num_tokens:  # rows past the batch (padding) are zero, as in the reference
         out[md.num_tokens :].zero_()
     return out

@@ -106,6 +106,7 @@ class CudaGraphRunner:
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.ones(size, dtype=torch.int32),
             is_decode_only=True,
+            decode_order=b["decode_order"][:size],
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -120,4 +121,5 @@ class CudaGraphRunner:
         b["slot_mapping"][num_reqs:size].fill_(-1)
         b["seq_lens"][num_reqs:size].fill_(1)
         b["block_tables"][num_reqs:size].zero_()
+        torch.arange(num_reqs, size, out=b["decode_order"][num_reqs:size])  # after the batch's own order
         torch.arange(num_reqs, size + 1, out=b["query_start_loc"][num_reqs : size + 1])

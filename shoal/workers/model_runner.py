@@ -281,6 +281,8 @@ class ModelRunner:
         views = self.buffers.load(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
+            # Longest context first, so the decode kernel's long programs start first.
+            decode_order=np.argsort(-seq_lens, kind="stable").astype(np.int32),
             block_tables=block_tables,
             slot_mapping=slot_mapping,
         )
@@ -298,6 +300,7 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
             is_decode_only=is_decode_only,
+            decode_order=views["decode_order"],
             fresh_prefill_plan=(
                 fresh_prefill_attention.plan_fresh_prefills(query_start_loc, seq_lens) if plans_fresh_prefills else None
             ),

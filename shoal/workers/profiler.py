@@ -11,6 +11,7 @@ CPU worker).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -56,17 +57,44 @@ class StepProfiler:
             "trace": str(trace),
             "wall_s": wall_s,
             "device_busy_s": device_busy_s(profile) if on_gpu else None,
+            "device_idle": device_idle_report(profile) if on_gpu else None,
             "table": profile.key_averages().table(sort_by=sort_by, row_limit=25),
         }
 
 
-def device_busy_s(profile: torch.profiler.profile) -> float:
-    """Seconds in which some kernel or copy ran on the device: the union of their intervals (the
-    per-name tables list an eagerly launched kernel under its op as well, so sums overcount)."""
+def _busy_intervals(profile: torch.profiler.profile) -> list[tuple[float, float]]:
+    """The union of the device's kernel and copy intervals (µs), as disjoint sorted intervals
+    (the per-name tables list an eagerly launched kernel under its op as well, so sums overcount)."""
     intervals = sorted((e.time_range.start, e.time_range.end) for e in profile.events() if e.device_type.name == "CUDA")
-    busy_us, covered_until = 0.0, float("-inf")
+    merged: list[tuple[float, float]] = []
     for start, end in intervals:
-        if end > covered_until:
-            busy_us += end - max(start, covered_until)
-            covered_until = end
-    return busy_us / 1e6
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def device_busy_s(profile: torch.profiler.profile) -> float:
+    """Seconds in which some kernel or copy ran on the device."""
+    return sum(end - start for start, end in _busy_intervals(profile)) / 1e6
+
+
+# Idle stretches by length: a launch gap inside a step (< 10 µs), a wait on the host between
+# kernels or steps (10 µs to 1 ms), a stall (> 1 ms).
+IDLE_BUCKETS_US = (10.0, 100.0, 1000.0)
+
+
+def device_idle_report(profile: torch.profiler.profile) -> str:
+    """Where the device sat idle between its first and last kernel: count and total time of the
+    idle stretches in each bucket of IDLE_BUCKETS_US, so a host-bound stretch shows apart from
+    launch gaps."""
+    busy = _busy_intervals(profile)
+    gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(busy)]
+    edges = (0.0, *IDLE_BUCKETS_US, float("inf"))
+    parts = []
+    for low, high in itertools.pairwise(edges):
+        chosen = [g for g in gaps if low <= g < high]
+        label = f">= {low:g} us" if high == float("inf") else f"{low:g}-{high:g} us"
+        parts.append(f"{label}: {len(chosen)} gaps, {sum(chosen) / 1e3:.1f} ms")
+    return "device idle between kernels by gap length: " + "; ".join(parts)

@@ -23,6 +23,7 @@ class StepBuffers:
             "slot_mapping": ((max_num_tokens,), torch.int64),
             "query_start_loc": ((max_num_reqs + 1,), torch.int32),
             "seq_lens": ((max_num_reqs,), torch.int32),
+            "decode_order": ((max_num_reqs,), torch.int32),
             "block_tables": ((max_num_reqs, max_blocks_per_req), torch.int32),
             # Async scheduling: rows of input_ids to fill from the previous step's samples.
             "pending_token_index": ((max_num_reqs,), torch.int64),

@@ -5,6 +5,7 @@ under torch.profiler (the device's kernel time against the wall time: the share 
 busy, and the top kernels) and under cProfile (the host's Python functions by own time). With
 `--multiprocess` the engine core runs in its own process, as `shoal bench` runs it, and is
 profiled there through `LLM.start_profile` (a Chrome trace per worker beside --out; no cProfile).
+With `--timing-only`, no profiler: an A/B of kernel tunings (`--decode-tuning`), one engine each.
 
     python3 tests/gpu/profile_steps.py --model benchmarks/configs/qwen3-0.6b --num-prompts 256 \
         --input-len 512 --output-len 64 --out $OUT/profile_qwen06b.txt
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shoal import LLM, SamplingParams
 from shoal.bench.throughput import engine_step_times
 from shoal.bench.workloads import fixed_lengths, random_nano
-from shoal.workers.profiler import device_busy_s
+from shoal.workers.profiler import device_busy_s, device_idle_report
 
 
 def main() -> None:
@@ -45,6 +46,9 @@ def main() -> None:
     parser.add_argument("--engine-arg", nargs="*", default=[], help="KEY=VALUE engine arguments (ints or bools)")
     parser.add_argument(
         "--decode-tuning", nargs="*", default=[], help="KEY=VALUE fields of the decode attention's DecodeTuning"
+    )
+    parser.add_argument(
+        "--timing-only", action="store_true", help="no profilers: the wall of two runs after the warm-up"
     )
     parser.add_argument(
         "--multiprocess",
@@ -76,13 +80,18 @@ def main() -> None:
     ]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     header = f"workload {workload.describe()}, engine args {extra}, decode tuning {args.decode_tuning}"
-    if args.multiprocess:
+    if args.timing_only:
+        lines = []
+        llm.generate(prompts, params, use_tqdm=False)  # the first full run: compiles what the warm-up did not
+    elif args.multiprocess:
         lines = engine_process_report(llm, prompts, params, Path(args.out).with_suffix(".traces"))
     else:
         lines = in_process_report(llm, prompts, params)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    lines.append(f"wall without profilers {time.perf_counter() - start:.3f} s")
+    wall = time.perf_counter() - start
+    output_tokens = sum(p.max_tokens or 0 for p in params)
+    lines.append(f"wall without profilers {wall:.3f} s, {output_tokens / wall:.0f} output tokens/s")
     Path(args.out).write_text("\n".join([header, *lines]))
     print("\n".join([header, *lines[:4], lines[-1]]))
     llm.shutdown()
@@ -110,6 +119,7 @@ def engine_process_report(llm: LLM, prompts: list, params: list, trace_dir: Path
         f"wall {wall:.3f} s (under the profiler, engine core in its own process), {steps} steps, "
         f"{1e3 * wall / max(steps, 1):.3f} ms/step",
         busy_line,
+        summary["device_idle"] or "",
         f"engine's own time (schedule + update) {times['engine_overhead_us_per_step']:.0f} us/step",
         f"trace {summary['trace']}",
         summary["table"],
@@ -135,6 +145,7 @@ def in_process_report(llm: LLM, prompts: list, params: list) -> list[str]:
     lines.append(f"device kernel time {kernel_us / 1e6:.3f} s = {100 * kernel_us / 1e6 / wall:.1f}% of wall")
     busy_s = device_busy_s(prof)
     lines.append(f"device busy (union of kernel intervals) {busy_s:.3f} s = {100 * busy_s / wall:.1f}% of wall")
+    lines.append(device_idle_report(prof))
     lines.append(f"engine's own time (schedule + update) {times['engine_overhead_us_per_step']:.0f} us/step")
     lines.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

@@ -27,8 +27,12 @@ GPU_TOLERANCE = {
 }
 
 
-def run_compiled(op: Callable[..., object], batch, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits=0):
-    """Run a compiled `paged_attention` on CUDA inputs and compare it with the reference."""
+def run_compiled(
+    op: Callable[..., object], batch, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits=0, **extra
+):
+    """Run a compiled `paged_attention` on CUDA inputs and compare it with the reference
+    (`extra`: keyword arguments only the Triton op takes, e.g. longest_first=True for its
+    decode_order)."""
     query_lens, seq_lens = batch
     query, kv_cache, md = make_paged_attention_inputs(
         query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device="cuda"
@@ -36,6 +40,8 @@ def run_compiled(op: Callable[..., object], batch, num_heads, num_kv_heads, head
     scale = head_size**-0.5
     expected = paged_attention_ref(query, kv_cache, md, scale)
     out = torch.full_like(query, float("nan"))
+    if extra.pop("longest_first", False):
+        extra["decode_order"] = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
     op(
         out,
         query,
@@ -47,5 +53,6 @@ def run_compiled(op: Callable[..., object], batch, num_heads, num_kv_heads, head
         md.max_seq_len,
         scale,
         num_splits,
+        **extra,
     )
     torch.testing.assert_close(out, expected, **GPU_TOLERANCE[dtype])

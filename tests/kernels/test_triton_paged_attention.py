@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -76,6 +78,19 @@ def test_triton_paged_attention_head_and_block_sizes(head_size, block_size):
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 40])
 def test_triton_decode_forced_splits(num_splits):
     run_compiled(_triton_op(), GPU_BATCHES[0], 32, 8, 128, 16, torch.float32, num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads_fastest", [False, True])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_triton_decode_longest_first(heads_fastest, num_splits, monkeypatch):
+    """The decode kernel taking the requests longest context first (as the engine passes them),
+    with its programs numbered either way, writes every request's own row."""
+    from shoal.kernels.triton import paged_attention as tpa
+
+    monkeypatch.setattr(tpa, "DECODE_TUNING", dataclasses.replace(tpa.DECODE_TUNING, heads_fastest=heads_fastest))
+    for batch in (GPU_BATCHES[0], GPU_BATCHES[2]):  # all decodes; decodes next to prefills
+        run_compiled(_triton_op(), batch, 32, 8, 128, 16, torch.bfloat16, num_splits, longest_first=True)
 
 
 @pytest.mark.gpu

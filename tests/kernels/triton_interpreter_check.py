@@ -67,24 +67,29 @@ def main() -> int:
     from shoal.kernels.triton import paged_attention as kernels
 
     failures = 0
-    # The shipped launch parameters, then other tile shapes the sweep tries; mixed batches with
-    # their decode requests split off (the default) and whole through the unified kernel; each
-    # with and without this step's keys and values, which send fresh prompts to SDPA.
+    # The shipped launch parameters, then other tile shapes the sweep tries and the decode
+    # requests taken longest first; mixed batches with their decode requests split off (the
+    # default) and whole through the unified kernel; each with and without this step's keys and
+    # values, which send fresh prompts to SDPA.
     tunings = [
-        (kernels.DecodeTuning(), kernels.UnifiedTuning(), True),
+        (kernels.DecodeTuning(), kernels.UnifiedTuning(), True, False),
         (
             kernels.DecodeTuning(block_n=32, programs_per_sm=64, heads_fastest=not kernels.DecodeTuning.heads_fastest),
             kernels.UnifiedTuning(block_m=128, block_n=32),
             True,
+            True,
         ),
-        (kernels.DecodeTuning(), kernels.UnifiedTuning(), False),
+        (kernels.DecodeTuning(), kernels.UnifiedTuning(), False, True),
     ]
     runs = ((t, c, fresh) for t in tunings for c in CASES + FRESH_CASES for fresh in (False, True))
-    for (decode, unified, split_mixed), case, fresh in runs:
+    for (decode, unified, split_mixed, longest_first), case, fresh in runs:
         kernels.DECODE_TUNING, kernels.UNIFIED_TUNING, kernels.SPLIT_MIXED_BATCHES = decode, unified, split_mixed
         fresh_prefill_attention.BY_SDPA = fresh  # off by default: the SDPA runs turn it on
-        failures += not check(kernels.triton_paged_attention, *case, fresh=fresh)
-        print(f"   with {decode} {unified} split_mixed_batches={split_mixed} fresh_prefills_by_sdpa={fresh}")
+        failures += not check(kernels.triton_paged_attention, *case, fresh=fresh, longest_first=longest_first)
+        print(
+            f"   with {decode} {unified} split_mixed_batches={split_mixed} fresh_prefills_by_sdpa={fresh} "
+            f"longest_first={longest_first}"
+        )
     for case in FRESH_CASES:
         failures += not check_unified_skips_fresh_prompts(kernels._unified_attention, *case)
     return 1 if failures else 0
@@ -94,6 +99,7 @@ def check(
     triton_paged_attention,
     query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits,
     fresh: bool = False,
+    longest_first: bool = False,
 ) -> bool:  # fmt: skip
     """Every row of the batch written (out starts as NaN) and equal to the reference."""
     query, kv_cache, md = make_paged_attention_inputs(
@@ -107,13 +113,16 @@ def check(
         key, value = new_keys_and_values(kv_cache, md)
         plan = plan_fresh_prefills(md.query_start_loc_cpu.numpy(), md.seq_lens_cpu.numpy())
         extra = {"key": key, "value": value, "fresh_prefill_plan": plan}
+    if longest_first:  # the decode kernel takes the requests in this order
+        extra["decode_order"] = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
     triton_paged_attention(
         out, query, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
         md.max_query_len, md.max_seq_len, scale, num_splits, **extra,
     )  # fmt: skip
     error = (out.float() - expected).abs().max().item()
     return _report(error <= _tolerance(dtype), error, query_lens, seq_lens, num_heads, num_kv_heads, head_size,
-                   block_size, dtype, f"splits={num_splits}{' fresh prompts by SDPA' if fresh else ''}")  # fmt: skip
+                   block_size, dtype, f"splits={num_splits}{' fresh prompts by SDPA' if fresh else ''}"
+                   f"{' longest first' if longest_first else ''}")  # fmt: skip
 
 
 def check_unified_skips_fresh_prompts(

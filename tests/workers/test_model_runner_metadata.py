@@ -45,3 +45,11 @@ def test_prefill_steps_build_no_plan_with_fresh_prompts_left_to_the_paged_kernel
 ) -> None:
     monkeypatch.setattr(fresh_prefill_attention, "BY_SDPA", False)
     assert _metadata(runner, [16, 16, 1, 4], [16, 16, 40, 20]).fresh_prefill_plan is None
+
+
+def test_decode_order_takes_the_longest_context_first(runner: ModelRunner) -> None:
+    """Every step carries its requests longest context first (ties in batch order): the order
+    the decode kernel starts its programs in."""
+    md = _metadata(runner, [1, 1, 1, 1, 4], [5, 900, 9, 900, 40])
+    assert md.decode_order is not None
+    assert md.decode_order.tolist() == [1, 3, 4, 2, 0]

@@ -17,7 +17,12 @@ Two kernels:
   takes one request and one KV head, and the context is split across NUM_SPLITS programs when
   the batch alone cannot fill the GPU; the second kernel merges the partial softmaxes. A
   decode-only batch runs these alone; a mixed batch runs them for its one-token requests and
-  the unified kernel for the rest (`SPLIT_MIXED_BATCHES`).
+  the unified kernel for the rest (`SPLIT_MIXED_BATCHES`). The GPU starts programs in the order
+  of their index, so the caller may pass the requests longest context first (`decode_order`):
+  the long programs then start in the first waves and the short ones fill the last, instead of
+  a long one started last running on while the other SMs sit idle (longest-processing-time-first
+  list scheduling). Numbering the programs KV head first (`DecodeTuning.heads_fastest`) puts the
+  programs reading one cache block's interleaved KV heads side by side.
 
 With SHOAL_FRESH_PREFILL_ATTENTION=flash or sdpa (`fresh_prefill_attention.BY_SDPA`; off by default),
 fresh prompts (no cached prefix: seq_len == query_len) leave both kernels when the caller passes
@@ -73,6 +78,7 @@ class DecodeTuning:
     # Number the programs KV head first, so that the programs reading one cache block's KV heads
     # (interleaved rows of one contiguous block) run side by side.
     heads_fastest: bool = False
+    longest_first: bool = True  # take the requests in the caller's decode_order, if it passes one
 
 
 DECODE_TUNING = DecodeTuning()
@@ -206,6 +212,7 @@ def _decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    decode_order_ptr,  # [num_reqs] int32: the request each program index takes (HAS_ORDER only)
     qk_scale,
     split_tokens,
     num_splits,
@@ -227,6 +234,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
     DOT_PRECISION: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,  # the grid is (KV heads, requests, splits), else (requests, KV heads, splits)
+    HAS_ORDER: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -234,6 +242,8 @@ def _decode_kernel(
     else:
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
+    if HAS_ORDER:
+        req = tl.load(decode_order_ptr + req)
     split = tl.program_id(2)
     row = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - row != 1:
@@ -406,6 +416,7 @@ def _decode_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int,
+    decode_order: torch.Tensor | None = None,
 ) -> None:
     num_heads, head_size = query.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -414,6 +425,8 @@ def _decode_attention(
     head_pad = triton.next_power_of_2(head_size)
     tuning = DECODE_TUNING
     block_n = tuning.block_n if head_pad <= 128 else min(tuning.block_n, 32)
+    if not tuning.longest_first:
+        decode_order = None
     if num_splits <= 0:
         num_splits = choose_num_splits(num_reqs * num_kv_heads, max_seq_len, query.device)
     # Whole BLOCK_N tiles per split; a single split covers any context, whatever max_seq_len says.
@@ -438,6 +451,7 @@ def _decode_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        seq_lens if decode_order is None else decode_order,
         scale * LOG2E,
         split_tokens,
         num_splits,
@@ -457,6 +471,7 @@ def _decode_attention(
         SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
         HEADS_FASTEST=tuning.heads_fastest,
+        HAS_ORDER=decode_order is not None,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
     )
@@ -490,13 +505,14 @@ def _with_fresh_prefills_by_sdpa(
     max_seq_len: int,
     scale: float,
     num_splits: int,
+    decode_order: torch.Tensor | None,
 ) -> None:
     """A batch with prefill tokens, each launch only where it has requests: the decode kernel for
     the one-token requests, SDPA for the fresh prompts, the unified kernel for the chunks after a
     cached prefix (and for the one-token requests too with SPLIT_MIXED_BATCHES off)."""
     out, query = args[0], args[1]
     if SPLIT_MIXED_BATCHES and plan.num_decodes > 0:
-        _decode_attention(*args, max_seq_len, scale, num_splits)  # skips the requests with prefill tokens
+        _decode_attention(*args, max_seq_len, scale, num_splits, decode_order)  # skips the prefill requests
     fresh.fresh_prefill_attention(out, query, key, value, plan.groups, scale)
     if plan.num_prefix_chunks > 0 or (plan.num_decodes > 0 and not SPLIT_MIXED_BATCHES):
         _unified_attention(*args, scale, skip_decodes=SPLIT_MIXED_BATCHES, skip_fresh=True)
@@ -516,6 +532,7 @@ def triton_paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     fresh_prefill_plan: FreshPrefillPlan | None = None,
+    decode_order: torch.Tensor | None = None,
 ) -> None:
     """The compiled op `paged_attention`: out [num_tokens, num_heads, head_size] (rows past the
     batch are left alone); kv_cache [2, num_blocks, block_size, num_kv_heads, head_size]; int32
@@ -524,16 +541,18 @@ def triton_paged_attention(
     (or, with SPLIT_MIXED_BATCHES off, every request of a batch with prefill tokens);
     num_splits applies to the former (0: choose). Beyond the op's arguments: this step's key
     and value [num_tokens, num_kv_heads, head_size] and the batch's plan, all three or none,
-    send the fresh prompts to SDPA (when `fresh_prefill_attention.BY_SDPA`)."""
+    send the fresh prompts to SDPA (when `fresh_prefill_attention.BY_SDPA`); decode_order
+    [num_reqs] int32, a permutation of the requests, is the order the decode kernel takes them
+    in (longest context first balances its programs over the SMs)."""
     if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return
     args: _BatchArgs = (out, query, kv_cache, query_start_loc, seq_lens, block_tables)
     if max_query_len == 1:
-        _decode_attention(*args, max_seq_len, scale, num_splits)
+        _decode_attention(*args, max_seq_len, scale, num_splits, decode_order)
     elif fresh.BY_SDPA and key is not None and value is not None and fresh_prefill_plan is not None:
-        _with_fresh_prefills_by_sdpa(args, key, value, fresh_prefill_plan, max_seq_len, scale, num_splits)
+        _with_fresh_prefills_by_sdpa(args, key, value, fresh_prefill_plan, max_seq_len, scale, num_splits, decode_order)
     elif SPLIT_MIXED_BATCHES:
-        _decode_attention(*args, max_seq_len, scale, num_splits)  # skips the requests with prefill tokens
+        _decode_attention(*args, max_seq_len, scale, num_splits, decode_order)  # skips the prefill requests
         _unified_attention(*args, scale, skip_decodes=True)
     else:
         _unified_attention(*args, scale)
