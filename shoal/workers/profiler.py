@@ -62,22 +62,26 @@ class StepProfiler:
         }
 
 
-def _busy_intervals(profile: torch.profiler.profile) -> list[tuple[float, float]]:
+def _busy_intervals(profile: torch.profiler.profile) -> list[tuple[float, float, str, str]]:
     """The union of the device's kernel and copy intervals (µs), as disjoint sorted intervals
-    (the per-name tables list an eagerly launched kernel under its op as well, so sums overcount)."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in profile.events() if e.device_type.name == "CUDA")
-    merged: list[tuple[float, float]] = []
-    for start, end in intervals:
+    (the per-name tables list an eagerly launched kernel under its op as well, so sums overcount),
+    each with the names of its first and last event."""
+    events = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in profile.events() if e.device_type.name == "CUDA"
+    )
+    merged: list[tuple[float, float, str, str]] = []
+    for start, end, name in events:
         if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            first_start, last_end, first, _ = merged[-1]
+            merged[-1] = (first_start, max(last_end, end), first, name)
         else:
-            merged.append((start, end))
+            merged.append((start, end, name, name))
     return merged
 
 
 def device_busy_s(profile: torch.profiler.profile) -> float:
     """Seconds in which some kernel or copy ran on the device."""
-    return sum(end - start for start, end in _busy_intervals(profile)) / 1e6
+    return sum(end - start for start, end, *_ in _busy_intervals(profile)) / 1e6
 
 
 # Idle stretches by length: a launch gap inside a step (< 10 µs), a wait on the host between
@@ -85,16 +89,22 @@ def device_busy_s(profile: torch.profiler.profile) -> float:
 IDLE_BUCKETS_US = (10.0, 100.0, 1000.0)
 
 
-def device_idle_report(profile: torch.profiler.profile) -> str:
+def device_idle_report(profile: torch.profiler.profile, num_longest: int = 8) -> str:
     """Where the device sat idle between its first and last kernel: count and total time of the
     idle stretches in each bucket of IDLE_BUCKETS_US, so a host-bound stretch shows apart from
-    launch gaps."""
+    launch gaps; then the longest few, each with when it began (ms after the first kernel) and
+    the kernels on either side."""
     busy = _busy_intervals(profile)
     gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(busy)]
+    longest = sorted(range(len(gaps)), key=gaps.__getitem__, reverse=True)[:num_longest]
     edges = (0.0, *IDLE_BUCKETS_US, float("inf"))
     parts = []
     for low, high in itertools.pairwise(edges):
         chosen = [g for g in gaps if low <= g < high]
         label = f">= {low:g} us" if high == float("inf") else f"{low:g}-{high:g} us"
         parts.append(f"{label}: {len(chosen)} gaps, {sum(chosen) / 1e3:.1f} ms")
-    return "device idle between kernels by gap length: " + "; ".join(parts)
+    lines = ["device idle between kernels by gap length: " + "; ".join(parts)]
+    for i in longest:
+        at_ms, before, after = (busy[i][1] - busy[0][0]) / 1e3, busy[i][3], busy[i + 1][2]
+        lines.append(f"   {gaps[i] / 1e3:8.2f} ms idle at {at_ms:9.2f} ms, after {before[:60]}, before {after[:60]}")
+    return "\n".join(lines)

@@ -9,10 +9,12 @@ from shoal.workers.profiler import device_busy_s, device_idle_report
 
 
 def _profile(*intervals_us: tuple[float, float], cpu: tuple[float, float] = (0.0, 1e6)):
-    def event(kind: str, start: float, end: float):
-        return SimpleNamespace(device_type=SimpleNamespace(name=kind), time_range=SimpleNamespace(start=start, end=end))
+    def event(kind: str, name: str, start: float, end: float):
+        return SimpleNamespace(
+            device_type=SimpleNamespace(name=kind), name=name, time_range=SimpleNamespace(start=start, end=end)
+        )
 
-    events = [event("CUDA", *span) for span in intervals_us] + [event("CPU", *cpu)]
+    events = [event("CUDA", f"k{i}", *span) for i, span in enumerate(intervals_us)] + [event("CPU", "step", *cpu)]
     return SimpleNamespace(events=lambda: events)
 
 
@@ -29,3 +31,7 @@ def test_idle_report_sorts_the_gaps_by_length() -> None:
     assert "10-100 us: 2 gaps, 0.1 ms" in report
     assert "100-1000 us: 0 gaps, 0.0 ms" in report
     assert ">= 1000 us: 1 gaps, 2.0 ms" in report
+    longest = report.splitlines()[1:]
+    assert len(longest) == 4
+    assert longest[0].split() == ["2.00", "ms", "idle", "at", "0.14", "ms,", "after", "k3,", "before", "k4"]
+    assert longest[1].split()[:2] == ["0.06", "ms"]

@@ -77,7 +77,7 @@ class DecodeTuning:
     split_below_per_sm: int = 4
     # Number the programs KV head first, so that the programs reading one cache block's KV heads
     # (interleaved rows of one contiguous block) run side by side.
-    heads_fastest: bool = False
+    heads_fastest: bool = True
     longest_first: bool = True  # take the requests in the caller's decode_order, if it passes one
 
 
