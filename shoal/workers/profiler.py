@@ -11,6 +11,7 @@ CPU worker).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import time
@@ -104,7 +105,26 @@ def device_idle_report(profile: torch.profiler.profile, num_longest: int = 8) ->
         label = f">= {low:g} us" if high == float("inf") else f"{low:g}-{high:g} us"
         parts.append(f"{label}: {len(chosen)} gaps, {sum(chosen) / 1e3:.1f} ms")
     lines = ["device idle between kernels by gap length: " + "; ".join(parts)]
+    host_ops = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in profile.events() if e.device_type.name == "CPU"
+    )
     for i in longest:
-        at_ms, before, after = (busy[i][1] - busy[0][0]) / 1e3, busy[i][3], busy[i + 1][2]
+        start, end = busy[i][1], busy[i + 1][0]
+        at_ms, before, after = (start - busy[0][0]) / 1e3, busy[i][3], busy[i + 1][2]
         lines.append(f"   {gaps[i] / 1e3:8.2f} ms idle at {at_ms:9.2f} ms, after {before[:60]}, before {after[:60]}")
+        lines.append(f"      host meanwhile: {_host_ops_within(host_ops, start, end)}")
     return "\n".join(lines)
+
+
+def _host_ops_within(host_ops: list[tuple[float, float, str]], start: float, end: float, count: int = 6) -> str:
+    """The host ops that took the most of the window [start, end] (µs), with their share of it."""
+    first = bisect.bisect_left(host_ops, (start - 1e7,))  # no host op of a run lasts 10 s
+    overlaps: dict[str, float] = {}
+    for op_start, op_end, name in host_ops[first:]:
+        if op_start > end:
+            break
+        overlap = min(op_end, end) - max(op_start, start)
+        if overlap > 0:
+            overlaps[name] = overlaps.get(name, 0.0) + overlap
+    top = sorted(overlaps.items(), key=lambda item: item[1], reverse=True)[:count]
+    return ", ".join(f"{name[:50]} {100 * t / (end - start):.0f}%" for name, t in top) or "nothing recorded"

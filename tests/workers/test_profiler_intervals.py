@@ -31,7 +31,8 @@ def test_idle_report_sorts_the_gaps_by_length() -> None:
     assert "10-100 us: 2 gaps, 0.1 ms" in report
     assert "100-1000 us: 0 gaps, 0.0 ms" in report
     assert ">= 1000 us: 1 gaps, 2.0 ms" in report
-    longest = report.splitlines()[1:]
+    longest, host = report.splitlines()[1::2], report.splitlines()[2::2]
     assert len(longest) == 4
     assert longest[0].split() == ["2.00", "ms", "idle", "at", "0.14", "ms,", "after", "k3,", "before", "k4"]
     assert longest[1].split()[:2] == ["0.06", "ms"]
+    assert host[0].split() == ["host", "meanwhile:", "step", "100%"]  # the host op spanning the gap
