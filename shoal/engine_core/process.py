@@ -14,6 +14,7 @@ READY; if anything fails (start-up or a step) it sends ENGINE_DEAD with the reas
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import queue
@@ -72,6 +73,16 @@ def run_engine_core_process(config_pipe: Connection, input_address: str, output_
     run_engine_core(config, input_address, output_address)
 
 
+def freeze_start_up_heap() -> None:
+    """Take what start-up left alive (the modules of torch, transformers and Ray, the model, the
+    CUDA graphs' Python objects) out of the garbage collector's reach. A full collection walks
+    every tracked object: over those millions it stalled the busy loop for a few hundred ms in
+    the middle of a run (the device idle 236 ms at once, Qwen3-0.6B nano, one H200); frozen,
+    the collector walks only what the steps allocate."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Run the engine core and its socket threads until SIGTERM or a failure."""
     from shoal.logger import configure_logging
@@ -87,6 +98,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     proc: EngineCoreProc | None = None
     try:
         core = EngineCore(config)
+        freeze_start_up_heap()
         proc = EngineCoreProc(core, context, input_address, output_socket)
         proc.run_busy_loop()
     except SystemExit:
