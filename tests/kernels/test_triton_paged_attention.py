@@ -82,10 +82,11 @@ def test_triton_decode_forced_splits(num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads_fastest", [False, True])
-@pytest.mark.parametrize("num_splits", [0, 3])
+@pytest.mark.parametrize("num_splits", [1, 3])
 def test_triton_decode_longest_first(heads_fastest, num_splits, monkeypatch):
     """The decode kernel taking the requests longest context first (as the engine passes them),
-    with its programs numbered either way, writes every request's own row."""
+    with its programs numbered either way, writes every request's own row (an unsplit grid
+    follows the order; a split one keeps batch order)."""
     from shoal.kernels.triton import paged_attention as tpa
 
     monkeypatch.setattr(tpa, "DECODE_TUNING", dataclasses.replace(tpa.DECODE_TUNING, heads_fastest=heads_fastest))

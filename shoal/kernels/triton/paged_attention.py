@@ -22,7 +22,8 @@ Two kernels:
   the long programs then start in the first waves and the short ones fill the last, instead of
   a long one started last running on while the other SMs sit idle (longest-processing-time-first
   list scheduling). Numbering the programs KV head first (`DecodeTuning.heads_fastest`) puts the
-  programs reading one cache block's interleaved KV heads side by side.
+  programs reading one cache block's interleaved KV heads side by side. Both apply to unsplit
+  grids only, the ones that run in waves.
 
 With SHOAL_FRESH_PREFILL_ATTENTION=flash or sdpa (`fresh_prefill_attention.BY_SDPA`; off by default),
 fresh prompts (no cached prefix: seq_len == query_len) leave both kernels when the caller passes
@@ -425,8 +426,6 @@ def _decode_attention(
     head_pad = triton.next_power_of_2(head_size)
     tuning = DECODE_TUNING
     block_n = tuning.block_n if head_pad <= 128 else min(tuning.block_n, 32)
-    if not tuning.longest_first:
-        decode_order = None
     if num_splits <= 0:
         num_splits = choose_num_splits(num_reqs * num_kv_heads, max_seq_len, query.device)
     # Whole BLOCK_N tiles per split; a single split covers any context, whatever max_seq_len says.
@@ -434,6 +433,13 @@ def _decode_attention(
     num_splits = triton.cdiv(max(max_seq_len, 1), split_tokens)
     if num_splits == 1:
         split_tokens = 2**30
+    # The program order pays in an unsplit grid, several programs per SM that run in waves. A
+    # split grid (a small batch) keeps batch order and request-major numbering: there the sweep
+    # measured either change slower in one of two calls (batch 64: 81 -> 136 us).
+    reorder = num_splits == 1
+    if not (reorder and tuning.longest_first):
+        decode_order = None
+    heads_fastest = reorder and tuning.heads_fastest
     partials = [query.new_empty(0, dtype=torch.float32)] * 3
     if num_splits > 1:
         partials = [
@@ -441,7 +447,7 @@ def _decode_attention(
             query.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32),
             query.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32),
         ]
-    grid = (num_kv_heads, num_reqs) if tuning.heads_fastest else (num_reqs, num_kv_heads)
+    grid = (num_kv_heads, num_reqs) if heads_fastest else (num_reqs, num_kv_heads)
     _decode_kernel[(*grid, num_splits)](
         out,
         *partials,
@@ -470,7 +476,7 @@ def _decode_attention(
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
-        HEADS_FASTEST=tuning.heads_fastest,
+        HEADS_FASTEST=heads_fastest,
         HAS_ORDER=decode_order is not None,
         num_warps=tuning.num_warps,
         num_stages=tuning.num_stages,
