@@ -29,6 +29,7 @@ from pathlib import Path
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.engine_core.process import freeze_start_up_heap
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
 from shoal.sampling_params import SamplingParams
@@ -124,6 +125,8 @@ def main() -> None:
     args = parse_args()
     rng = random.Random(args.seed)
     scheduler = make_scheduler(args)
+    # As the engine-core process does once it is built, before any request arrives.
+    freeze_start_up_heap()
     add_requests(scheduler, args, rng)
 
     # Prefill everything, then warm up in decode.

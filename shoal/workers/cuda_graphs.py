@@ -38,6 +38,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def round_up_to_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the (sorted) `sizes` that is at least n; None past the largest."""
+    index = bisect.bisect_left(sizes, n)
+    return sizes[index] if index < len(sizes) else None
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -57,8 +63,7 @@ class CudaGraphRunner:
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The captured batch size a decode of `num_reqs` requests runs at, if any."""
-        index = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[index] if index < len(self.sizes) else None
+        return round_up_to_size(self.sizes, num_reqs)
 
     @torch.inference_mode()
     def capture(self) -> None:

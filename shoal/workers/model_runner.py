@@ -32,7 +32,7 @@ from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
-from shoal.workers.cuda_graphs import CudaGraphRunner
+from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, round_up_to_size
 from shoal.workers.input_batch import InputBatch, RequestState
 from shoal.workers.sampler import Sampler, build_sampling_metadata
 from shoal.workers.step_buffers import StepBuffers
@@ -82,6 +82,8 @@ class ModelRunner:
             device=device,
         )
         self.sampler = Sampler()
+        # The row counts the LM head runs at (see `_logits`): the decode graphs' batch sizes.
+        self.logits_row_counts = capture_sizes(scheduler_config.max_num_seqs)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -127,6 +129,20 @@ class ModelRunner:
             self._model, self.buffers, self.config.scheduler_config.max_num_seqs, self.model_config.max_model_len
         )
         self.cuda_graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up_logits(self) -> None:
+        """Run the LM head once at every row count `_logits` pads to (GPU, last stage), so that
+        no step of a run meets a GEMM shape for the first time."""
+        if self.device.type == "cuda" and get_pp_group().is_last_rank:
+            self._run_lm_head_at_every_row_count()
+            torch.cuda.synchronize(self.device)
+
+    def _run_lm_head_at_every_row_count(self) -> None:
+        hidden_size = int(self.model_config.hf_config.hidden_size)
+        hidden = torch.zeros(self.logits_row_counts[-1], hidden_size, dtype=self.dtype, device=self.device)
+        for num_rows in self.logits_row_counts:
+            self._model.compute_logits(hidden[:num_rows])
 
     @torch.inference_mode()
     def profile_available_kv_cache_memory(self) -> int:
@@ -328,14 +344,8 @@ class ModelRunner:
         """Logits on every tensor-parallel rank of the last stage (the LM head all-gathers
         them); sampling, launched and not read back, only on the rank whose tokens go back to
         the engine (None on the others)."""
-        model = self._model
         states = [self.input_batch.requests[r] for r in inputs.sampling_req_ids]
-        logits = None
-        if states:
-            if len(states) == hidden_states.shape[0]:  # every row samples (a decode): no gather
-                logits = model.compute_logits(hidden_states)
-            else:
-                logits = model.compute_logits(hidden_states[self._to_device(inputs.logits_indices)])
+        logits = self._logits(hidden_states, inputs.logits_indices) if states else None
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
         if not self.is_sampling_rank:
             return None
@@ -347,6 +357,20 @@ class ModelRunner:
             self.prev_sampled = result.sampled_token_ids
             self.prev_sampled_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_req_ids)}
         return SampledStep(inputs.req_ids, states, result, prompt_logprobs, step_id)
+
+    def _logits(self, hidden_states: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
+        """Logits of the rows `logits_indices`. The LM head runs at the next of
+        `logits_row_counts` (padded with row 0, sliced back), all of them met at start-up
+        (`warm_up_logits`): the first GEMM of a new shape costs the host milliseconds (cuBLAS
+        choosing and loading its kernel) while the device waits, and the number of sampling rows
+        changes from step to step."""
+        num_rows = len(logits_indices)
+        padded = round_up_to_size(self.logits_row_counts, num_rows) or num_rows
+        if padded == num_rows == hidden_states.shape[0]:  # every row samples (a decode): no gather
+            return self._model.compute_logits(hidden_states)
+        index = np.zeros(padded, dtype=np.int64)
+        index[:num_rows] = logits_indices
+        return self._model.compute_logits(hidden_states[self._to_device(index)])[:num_rows]
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden_states: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
         """Per request: (token ids, logprobs, ranks) of its prompt rows, on the device."""
