@@ -90,11 +90,11 @@ class CudaGraphRunner:
 
     def replay(self, num_reqs: int, size: int) -> torch.Tensor:
         """Run the decode already loaded into the buffers for `num_reqs` requests; returns the
-        hidden states of those requests."""
+        hidden states of all `size` rows: those requests' first, then the padding's."""
         if num_reqs < size:
             self._pad(num_reqs, size)
         self.graphs[size].replay()
-        return self.outputs[size][:num_reqs]
+        return self.outputs[size]
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata a captured graph of `size` decodes sees: views of the buffers."""

@@ -208,8 +208,9 @@ class ModelRunner:
         return step if non_block else step.result()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The model on this step's batch: a CUDA-graph replay for a captured decode size,
-        else an eager forward (receiving the previous pipeline stage's tensors first)."""
+        """The model on this step's batch: a CUDA-graph replay for a captured decode size (its
+        padding rows after the batch's), else an eager forward (receiving the previous pipeline
+        stage's tensors first)."""
         md = inputs.attn_metadata
         if self.cuda_graphs is not None and md.is_decode_only:
             size = self.cuda_graphs.padded_size(md.num_reqs)
@@ -345,7 +346,7 @@ class ModelRunner:
         them); sampling, launched and not read back, only on the rank whose tokens go back to
         the engine (None on the others)."""
         states = [self.input_batch.requests[r] for r in inputs.sampling_req_ids]
-        logits = self._logits(hidden_states, inputs.logits_indices) if states else None
+        logits = self._logits(hidden_states, inputs.logits_indices, inputs.attn_metadata.num_tokens) if states else None
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
         if not self.is_sampling_rank:
             return None
@@ -358,17 +359,19 @@ class ModelRunner:
             self.prev_sampled_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_req_ids)}
         return SampledStep(inputs.req_ids, states, result, prompt_logprobs, step_id)
 
-    def _logits(self, hidden_states: torch.Tensor, logits_indices: np.ndarray) -> torch.Tensor:
+    def _logits(self, hidden_states: torch.Tensor, logits_indices: np.ndarray, num_tokens: int) -> torch.Tensor:
         """Logits of the rows `logits_indices`. The LM head runs at the next of
-        `logits_row_counts` (padded with row 0, sliced back), all of them met at start-up
+        `logits_row_counts` (padded, sliced back), all of them met at start-up
         (`warm_up_logits`): the first GEMM of a new shape costs the host milliseconds (cuBLAS
         choosing and loading its kernel) while the device waits, and the number of sampling rows
         changes from step to step."""
         num_rows = len(logits_indices)
         padded = round_up_to_size(self.logits_row_counts, num_rows) or num_rows
-        if padded == num_rows == hidden_states.shape[0]:  # every row samples (a decode): no gather
-            return self._model.compute_logits(hidden_states)
-        index = np.zeros(padded, dtype=np.int64)
+        if num_rows == num_tokens and hidden_states.shape[0] == padded:
+            # A decode (every row samples, in order) whose rows already come padded to the size
+            # (a CUDA graph's, or a batch of exactly that size): no gather.
+            return self._model.compute_logits(hidden_states)[:num_rows]
+        index = np.zeros(padded, dtype=np.int64)  # the padding repeats row 0
         index[:num_rows] = logits_indices
         return self._model.compute_logits(hidden_states[self._to_device(index)])[:num_rows]
 

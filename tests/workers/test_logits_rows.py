@@ -26,17 +26,18 @@ def test_row_counts_round_up_to_the_graph_sizes() -> None:
 
 
 @pytest.mark.parametrize(
-    "num_tokens, rows, gathers",
+    "num_tokens, num_hidden_rows, rows, gathers",
     [
-        (5, [0, 1, 2, 3, 4], True),  # a decode of 5: every row samples, the LM head runs 8 rows
-        (4, [0, 1, 2, 3], False),  # a decode of a graph size: the hidden states as they are
-        (20, [3, 11, 19], True),  # a prefill step: the last token of each finished prompt
+        (5, 5, [0, 1, 2, 3, 4], True),  # an eager decode of 5: every row samples, the LM head runs 8
+        (5, 8, [0, 1, 2, 3, 4], False),  # a decode of 5 replayed at graph size 8: the padded rows as they are
+        (4, 4, [0, 1, 2, 3], False),  # a decode of a graph size
+        (20, 20, [3, 11, 19], True),  # a prefill step: the last token of each finished prompt
     ],
 )
 def test_logits_are_those_of_the_sampling_rows(
-    runner, monkeypatch, num_tokens: int, rows: list[int], gathers: bool
+    runner, monkeypatch, num_tokens: int, num_hidden_rows: int, rows: list[int], gathers: bool
 ) -> None:
-    hidden = torch.randn(num_tokens, runner.model_config.hf_config.hidden_size)
+    hidden = torch.randn(num_hidden_rows, runner.model_config.hf_config.hidden_size)
     expected = runner._model.compute_logits(hidden[rows])
     seen = []
     original = runner._model.compute_logits
@@ -44,7 +45,7 @@ def test_logits_are_those_of_the_sampling_rows(
     to_device = runner._to_device
     indices = []
     monkeypatch.setattr(runner, "_to_device", lambda a: indices.append(a.tolist()) or to_device(a))
-    logits = runner._logits(hidden, np.array(rows))
+    logits = runner._logits(hidden, np.array(rows), num_tokens)
     padded = round_up_to_size(runner.logits_row_counts, len(rows))
     assert seen == [padded]
     assert indices == ([rows + [0] * (padded - len(rows))] if gathers else [])
