@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 
 from shoal.sampling_params import SamplingParams
@@ -50,13 +51,19 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens
+        # Async scheduling may run the request ahead of its known tokens (see
+        # Scheduler._may_run_ahead) only from this many output tokens on: never when penalties
+        # count its tokens, and not before min_tokens, by whose count the sampler masks EOS.
+        self.runs_ahead_from = sys.maxsize if sampling_params.uses_penalties else sampling_params.min_tokens
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
-        # len(all_token_ids), kept by append_output_token_id (the only writer): the scheduler reads
-        # it several times per request and step, where a property call is measurable.
+        # len(all_token_ids) and the outputs among them, kept by append_output_token_id (the only
+        # writer): the scheduler reads them several times per request and step, where a property
+        # call is measurable.
         self.num_tokens = self.num_prompt_tokens
+        self.num_output_tokens = 0
         self.num_computed_tokens = 0
         # Tokens being sampled by steps still in flight (async scheduling runs a request one
         # step ahead of its known tokens; the workers feed those tokens in on the device).
@@ -74,10 +81,6 @@ class Request:
         self.num_preemptions = 0
 
     @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
@@ -92,6 +95,7 @@ class Request:
     def append_output_token_id(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
+        self.num_output_tokens += 1
 
     def take_unsent_output_token_ids(self) -> list[int]:
         """Output tokens sampled since the workers last heard of this request."""

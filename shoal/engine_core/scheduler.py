@@ -165,11 +165,9 @@ class Scheduler:
         masks by their number), nor when the tokens in flight already end it by length."""
         if not self.async_scheduling:
             return False
-        params = request.sampling_params
         num_output, num_pending = request.num_output_tokens, request.num_output_placeholders
         return (
-            not params.uses_penalties
-            and num_output >= params.min_tokens
+            num_output >= request.runs_ahead_from
             and num_output + num_pending < request.max_tokens
             and request.num_tokens + num_pending < self.max_model_len
         )
@@ -282,6 +280,8 @@ class Scheduler:
         step_starts = _step_starts(scheduler_output)
         num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output, scheduled, step_starts)
         num_generation_tokens = 0
+        # Usually empty: only requests that asked for them have (prompt) logprobs.
+        all_prompt_logprobs, all_logprobs = model_output.prompt_logprobs, model_output.logprobs
         for request_id, token_ids in zip(model_output.req_ids, model_output.sampled_token_ids, strict=True):
             request = scheduled.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -297,19 +297,19 @@ class Scheduler:
                 if finished:
                     break
             num_generation_tokens += len(new_token_ids)
-            prompt_logprobs = model_output.prompt_logprobs.get(request_id)
+            prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             if prompt_logprobs is not None:
                 prompt_logprobs = self._unsent_prompt_logprobs(request, prompt_logprobs, step_starts[request_id])
             if not new_token_ids and prompt_logprobs is None:
                 continue
-            logprobs = model_output.logprobs.get(request_id)
+            logprobs = all_logprobs.get(request_id) if all_logprobs else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=logprobs.slice(0, len(new_token_ids)) if logprobs else None,
                     new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.finish_reason,
+                    finish_reason=request.finish_reason if finished else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     first_scheduled_time=request.first_scheduled_time if finished else None,
