@@ -65,13 +65,13 @@ def make_scheduler(args: argparse.Namespace) -> Scheduler:
     )
 
 
-def add_requests(scheduler: Scheduler, args: argparse.Namespace, rng: random.Random) -> None:
+def add_requests(scheduler: Scheduler, args: argparse.Namespace, rng: random.Random, temperature: float = 0.0) -> None:
     max_tokens = args.warmup_steps + args.num_steps + 16
     prefix = [rng.randrange(VOCAB_SIZE) for _ in range(args.shared_prefix_len)]
     for i in range(args.num_requests):
         prompt_len = rng.randint(args.prompt_len * 7 // 8, args.prompt_len * 9 // 8)
         prompt = prefix + [rng.randrange(VOCAB_SIZE) for _ in range(prompt_len - len(prefix))]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         scheduler.add_request(Request(f"req-{i}", prompt, params, eos_token_id=None, max_tokens=max_tokens))
 
 

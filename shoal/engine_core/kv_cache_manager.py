@@ -86,13 +86,19 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens of the request, after taking the prefix
         hit `new_computed_blocks`; returns the newly allocated blocks, or None if they do not
         fit (then nothing changed)."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        is_admission = not blocks
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-num_tokens_after // self.block_size)
-        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and not new_computed_blocks and num_tokens_after <= len(blocks) * self.block_size:
+            # Most decode steps: the new token fits in the last block.
+            if self.enable_caching:
+                self._cache_full_blocks(request, blocks, num_tokens_after)
+            return []
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id] = []
+        is_admission = not blocks
+        num_new_blocks = -(-num_tokens_after // self.block_size) - len(blocks) - len(new_computed_blocks)
         if num_new_blocks <= 0 and not new_computed_blocks:
-            new_blocks = []  # most decode steps: the token fits in the last block
+            new_blocks = []
         else:
             # Cached blocks that are free now stop being free once this request takes them.
             num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -68,6 +68,8 @@ class Request:
         # Tokens being sampled by steps still in flight (async scheduling runs a request one
         # step ahead of its known tokens; the workers feed those tokens in on the device).
         self.num_output_placeholders = 0
+        # Steps still executing that include this request (kept by the scheduler).
+        self.num_steps_in_flight = 0
         # Prompt tokens found in the prefix cache when first scheduled (-1: not yet scheduled).
         self.num_cached_tokens = -1
         self.first_scheduled_time: float | None = None

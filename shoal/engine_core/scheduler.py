@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine_core.batch import (
@@ -33,6 +34,21 @@ from shoal.engine_core.request import Request, RequestStatus
 from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledStep:
+    """One step as the scheduler builds it, kept until its output is applied."""
+
+    budget: int  # tokens the step may still take
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    # The requests it was built for: an output must reach the request it was computed for,
+    # not a new one that reuses an aborted request's id.
+    requests: dict[str, Request] = field(default_factory=dict)
+    # Its prefill chunks: request id -> (first position, how many prompt tokens).
+    prompt_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -54,10 +70,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []
         self._step_id = 0
-        # The requests each step still executing was built for, by step id (pipeline parallelism
-        # and async scheduling keep several steps in flight): an output must reach the request it
-        # was computed for, not a new one that reuses an aborted request's id.
-        self._scheduled: dict[int, dict[str, Request]] = {}
+        # The steps still executing, by step id (pipeline parallelism and async scheduling keep
+        # several in flight).
+        self._scheduled: dict[int, ScheduledStep] = {}
         self.num_preemptions = 0
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -86,16 +101,7 @@ class Scheduler:
     def has_schedulable_requests(self) -> bool:
         if self.async_scheduling:
             return bool(self.requests)  # requests in flight may run ahead
-        return not all(self._is_in_flight(request) for request in self.requests.values())
-
-    def _is_in_flight(self, request: Request) -> bool:
-        """Whether a step still executing includes this request."""
-        # A loop rather than any(generator): it runs for every request of every step, and the
-        # generator costs more than the one or two steps it walks (benchmarks/bench_scheduler.py).
-        for step in self._scheduled.values():  # noqa: SIM110
-            if step.get(request.request_id) is request:
-                return True
-        return False
+        return any(not request.num_steps_in_flight for request in self.requests.values())
 
     @property
     def in_flight(self) -> Counter[str]:
@@ -103,43 +109,54 @@ class Scheduler:
         return Counter(
             request_id
             for step in self._scheduled.values()
-            for request_id, request in step.items()
+            for request_id, request in step.requests.items()
             if self.requests.get(request_id) is request
         )
 
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        scheduled_new: list[Request] = []
-        num_preemptions_before = self.num_preemptions
+        step = ScheduledStep(budget=self.max_num_batched_tokens)
+        preempted = self._schedule_running(step)
+        # New requests only when no running one had to give up its blocks this step.
+        if not preempted:
+            self._schedule_waiting(step)
+        return self._make_output(step)
 
+    def _schedule_running(self, step: ScheduledStep) -> bool:
+        """Running requests in order, each as many tokens as it has to compute and the budget
+        leaves; True when one had to be preempted to make room."""
+        num_preemptions_before = self.num_preemptions
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            if self._is_in_flight(request) and not self._may_run_ahead(request):
-                index += 1
+            index += 1
+            if request.num_steps_in_flight and not self._may_run_ahead(request):
                 continue
-            num_new_tokens = min(self._num_tokens_to_compute(request), budget)
+            num_new_tokens = min(self._num_tokens_to_compute(request), step.budget)
             if num_new_tokens == 0:
-                index += 1
                 continue
-            blocks = self._allocate_or_preempt(request, num_new_tokens, num_scheduled)
+            blocks = self._allocate_or_preempt(request, num_new_tokens)
             if blocks is None:
                 break  # the request itself was preempted, or nothing could give way
-            num_scheduled[request.request_id] = num_new_tokens
-            new_blocks[request.request_id] = [b.block_id for b in blocks]
-            budget -= num_new_tokens
-            index += 1
+            step.cached_reqs.append(
+                CachedRequestData(
+                    req_id=request.request_id,
+                    new_token_ids=request.take_unsent_output_token_ids(),
+                    new_block_ids=[b.block_id for b in blocks],
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            self._add_to_step(step, request, num_new_tokens)
+        return self.num_preemptions > num_preemptions_before
 
-        # New requests only when no running one had to give up its blocks this step.
-        preempted = self.num_preemptions > num_preemptions_before
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_waiting(self, step: ScheduledStep) -> None:
+        """Waiting requests in arrival order, each starting after its prefix-cache hit, while
+        the budget, the blocks and max_num_seqs allow."""
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, step.budget)
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
             if blocks is None:
                 break
@@ -150,11 +167,36 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.time()
-            num_scheduled[request.request_id] = num_new_tokens
-            scheduled_new.append(request)
-            budget -= num_new_tokens
+            request.num_output_tokens_sent = request.num_output_tokens
+            step.new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                    eos_token_id=request.eos_token_id,
+                )
+            )
+            self._add_to_step(step, request, num_new_tokens)
 
-        return self._make_output(num_scheduled, new_blocks, scheduled_new)
+    @staticmethod
+    def _add_to_step(step: ScheduledStep, request: Request, num_new_tokens: int) -> None:
+        """The request computes `num_new_tokens` more tokens in this step. They count as
+        computed from now on (their KV is written this step), and the request is in flight
+        until the step's output is applied. A step that reaches past the known tokens samples
+        one more: a placeholder until it is back."""
+        step.num_scheduled_tokens[request.request_id] = num_new_tokens
+        step.requests[request.request_id] = request
+        step.budget -= num_new_tokens
+        start = request.num_computed_tokens
+        if start < request.num_prompt_tokens:  # a prefill chunk, not a decode or a recompute
+            step.prompt_chunks[request.request_id] = (start, min(num_new_tokens, request.num_prompt_tokens - start))
+        request.num_computed_tokens = start + num_new_tokens
+        request.num_steps_in_flight += 1
+        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
 
     def _num_tokens_to_compute(self, request: Request) -> int:
         return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
@@ -172,16 +214,14 @@ class Scheduler:
             and request.num_tokens + num_pending < self.max_model_len
         )
 
-    def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, num_scheduled: dict[str, int]
-    ) -> list[KVCacheBlock] | None:
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
         """Allocate the request's new slots, preempting the newest running requests until they
         fit; None when the request itself was preempted or no request could give way."""
         while True:
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if blocks is not None:
                 return blocks
-            victim = self._newest_preemptible(num_scheduled)
+            victim = self._newest_preemptible()
             if victim is None:
                 return None
             self.running.remove(victim)
@@ -189,11 +229,11 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _newest_preemptible(self, num_scheduled: dict[str, int]) -> Request | None:
-        """The newest running request that is neither scheduled in this step (`num_scheduled`)
-        nor still executing an earlier one (its output must come back before it may be rebuilt)."""
+    def _newest_preemptible(self) -> Request | None:
+        """The newest running request not in flight: neither scheduled in this step nor still
+        executing an earlier one (its output must come back before it may be rebuilt)."""
         for request in reversed(self.running):
-            if request.request_id not in num_scheduled and not self._is_in_flight(request):
+            if not request.num_steps_in_flight:
                 return request
         return None
 
@@ -208,61 +248,22 @@ class Scheduler:
         self._finished_req_ids.append(request.request_id)
         logger.debug("preempted %s", request.request_id)
 
-    def _make_output(
-        self,
-        num_scheduled: dict[str, int],
-        new_blocks: dict[str, list[int]],
-        scheduled_new: list[Request],
-    ) -> SchedulerOutput:
-        cached_reqs = []
-        for request_id, block_ids in new_blocks.items():
-            request = self.requests[request_id]
-            cached_reqs.append(
-                CachedRequestData(
-                    req_id=request_id,
-                    new_token_ids=request.take_unsent_output_token_ids(),
-                    new_block_ids=block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-        new_reqs = []
-        for request in scheduled_new:
-            request.num_output_tokens_sent = request.num_output_tokens
-            new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                    eos_token_id=request.eos_token_id,
-                )
-            )
+    def _make_output(self, step: ScheduledStep) -> SchedulerOutput:
         self._step_id += 1
         # An empty step is not executed, so the workers hear of finished requests with the next
         # step that runs.
         finished_req_ids: list[str] = []
-        if num_scheduled:
+        if step.num_scheduled_tokens:
             finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
-        output = SchedulerOutput(
-            new_reqs=new_reqs,
-            cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            self._scheduled[self._step_id] = step
+        return SchedulerOutput(
+            new_reqs=step.new_reqs,
+            cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             finished_req_ids=finished_req_ids,
             step_id=self._step_id,
         )
-        if num_scheduled:
-            self._scheduled[self._step_id] = {request_id: self.requests[request_id] for request_id in num_scheduled}
-        # The scheduled tokens count as computed from now on: their KV is written this step. A
-        # step that reaches past the known tokens samples one more: a placeholder until it is back.
-        for request_id, num_tokens in num_scheduled.items():
-            request = self.requests[request_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
-        return output
 
     # ---- results of a step ------------------------------------------------------------------
 
@@ -271,14 +272,10 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append the sampled tokens, finish requests that stopped, and report to the frontend."""
         outputs = []
-        # Requests still as they were when the step was built (not aborted or finished since).
-        scheduled = {
-            request_id: request
-            for request_id, request in self._scheduled.pop(scheduler_output.step_id, {}).items()
-            if self.requests.get(request_id) is request
-        }
-        step_starts = _step_starts(scheduler_output)
-        num_prompt_tokens = self._num_prompt_tokens_computed(scheduler_output, scheduled, step_starts)
+        step = self._scheduled.pop(scheduler_output.step_id, None) or ScheduledStep(budget=0)
+        scheduled = self._land(step)
+        prompt_chunks = {r: chunk for r, chunk in step.prompt_chunks.items() if r in scheduled}
+        num_prompt_tokens = sum(num_tokens for _, num_tokens in prompt_chunks.values())
         num_generation_tokens = 0
         # Usually empty: only requests that asked for them have (prompt) logprobs.
         all_prompt_logprobs, all_logprobs = model_output.prompt_logprobs, model_output.logprobs
@@ -299,7 +296,7 @@ class Scheduler:
             num_generation_tokens += len(new_token_ids)
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             if prompt_logprobs is not None:
-                prompt_logprobs = self._unsent_prompt_logprobs(request, prompt_logprobs, step_starts[request_id])
+                prompt_logprobs = self._unsent_prompt_logprobs(request, prompt_logprobs, prompt_chunks[request_id][0])
             if not new_token_ids and prompt_logprobs is None:
                 continue
             logprobs = all_logprobs.get(request_id) if all_logprobs else None
@@ -321,19 +318,15 @@ class Scheduler:
         stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
-    def _num_prompt_tokens_computed(
-        self, scheduler_output: SchedulerOutput, scheduled: dict[str, Request], step_starts: dict[str, int]
-    ) -> int:
-        """How many of the step's tokens were prompt positions."""
-        total = 0
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = scheduled.get(request_id)
-            if request is None:
-                continue  # aborted while the step ran
-            start = step_starts[request_id]
-            if start < request.num_prompt_tokens:  # a prefill chunk, not a decode or a recompute
-                total += min(num_tokens, request.num_prompt_tokens - start)
-        return total
+    def _land(self, step: ScheduledStep) -> dict[str, Request]:
+        """The step is back: its requests are no longer in flight. Returns those still as they
+        were when it was built (not aborted or finished since)."""
+        scheduled = {}
+        for request_id, request in step.requests.items():
+            request.num_steps_in_flight -= 1
+            if self.requests.get(request_id) is request:
+                scheduled[request_id] = request
+        return scheduled
 
     def _unsent_prompt_logprobs(self, request: Request, rows: LogprobsLists, start: int) -> LogprobsLists | None:
         """The rows of prompt positions the frontend has not had yet. Row i is prompt position
@@ -387,10 +380,3 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         self.kv_cache_manager.reset_prefix_cache()
         return True
-
-
-def _step_starts(scheduler_output: SchedulerOutput) -> dict[str, int]:
-    """Each scheduled request's computed tokens before the step (its first position in it)."""
-    starts = {new.req_id: new.num_computed_tokens for new in scheduler_output.new_reqs}
-    starts.update((cached.req_id, cached.num_computed_tokens) for cached in scheduler_output.cached_reqs)
-    return starts

@@ -7,6 +7,7 @@ scheduled until it finishes or is preempted.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,9 +25,30 @@ class RequestState:
     sampling_params: SamplingParams
     eos_token_id: int | None
     generator: torch.Generator | None
+    # Kept up to date only where the sampler reads them (`reads_output_tokens`).
     output_token_ids: list[int] = field(default_factory=list)
     # The prompt, kept for penalties (repetition penalty covers prompt and output).
     prompt_token_ids: list[int] = field(default_factory=list)
+    # What the sampler asks of the parameters every step, worked out once.
+    greedy: bool = field(init=False)
+    temperature: float = field(init=False)  # 1.0 where greedy
+    reads_output_tokens: bool = field(init=False)  # penalties count them, min_tokens their number
+    # Temperature (or greedy) alone: no top-k/p, min-p, penalties, min_tokens, logprobs or seed.
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self.greedy = params.greedy
+        self.temperature = 1.0 if self.greedy else params.temperature
+        self.reads_output_tokens = params.uses_penalties or params.min_tokens > 0
+        self.plain = (
+            not self.reads_output_tokens
+            and params.top_k == 0
+            and params.top_p == 1.0
+            and params.min_p == 0.0
+            and params.logprobs is None
+            and self.generator is None
+        )
 
 
 class InputBatch:
@@ -39,22 +61,27 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: dict[str, RequestState] = {}
+        # The requests that asked for prompt logprobs (few or none: the runner skips the rest).
+        self.wants_prompt_logprobs: set[str] = set()
+        # How many of them keep their output tokens for the sampler (none: no list to extend).
+        self.num_reading_output_tokens = 0
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
-    def update(self, scheduler_output: SchedulerOutput) -> None:
-        """Apply one step's diffs: drop finished requests, add new ones, extend cached ones."""
+    def update(self, scheduler_output: SchedulerOutput) -> np.ndarray:
+        """Apply one step's diffs: drop finished requests, add new ones, extend cached ones.
+        Returns the scheduled requests' slots in batch order (cached requests, then new ones:
+        the order of `scheduler_output.num_scheduled_tokens`)."""
         for req_id in scheduler_output.finished_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
-                self._free_slots.append(state.slot)
-        for new in scheduler_output.new_reqs:
-            self._add(new)
-        for cached in scheduler_output.cached_reqs:
-            self._extend(cached)
+                self._forget(state)
+        cached_slots = self._extend(scheduler_output.cached_reqs)
+        new_slots = [self._add(new) for new in scheduler_output.new_reqs]
+        return np.concatenate([cached_slots, np.array(new_slots, dtype=np.int64)])
 
-    def _add(self, new: NewRequestData) -> None:
+    def _add(self, new: NewRequestData) -> int:
         if new.req_id in self.requests:  # rebuilt after a preemption the worker did not see
-            self._free_slots.append(self.requests.pop(new.req_id).slot)
+            self._forget(self.requests.pop(new.req_id))
         slot = self._free_slots.pop()
         params = new.sampling_params
         generator = None
@@ -72,23 +99,49 @@ class InputBatch:
             prompt_token_ids=list(new.prompt_token_ids),
         )
         self.requests[new.req_id] = state
+        if params.prompt_logprobs is not None:
+            self.wants_prompt_logprobs.add(new.req_id)
+        self.num_reading_output_tokens += state.reads_output_tokens
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[slot, : len(tokens)] = tokens
         self.num_tokens[slot] = len(tokens)
         self.num_computed_tokens[slot] = new.num_computed_tokens
         self.block_table[slot, : len(new.block_ids)] = new.block_ids
         self.num_blocks[slot] = len(new.block_ids)
+        return slot
 
-    def _extend(self, cached: CachedRequestData) -> None:
-        state = self.requests[cached.req_id]
-        slot = state.slot
-        if cached.new_token_ids:
-            n = int(self.num_tokens[slot])
-            self.token_ids[slot, n : n + len(cached.new_token_ids)] = cached.new_token_ids
-            self.num_tokens[slot] = n + len(cached.new_token_ids)
-            state.output_token_ids.extend(cached.new_token_ids)
-        if cached.new_block_ids:
-            b = int(self.num_blocks[slot])
-            self.block_table[slot, b : b + len(cached.new_block_ids)] = cached.new_block_ids
-            self.num_blocks[slot] = b + len(cached.new_block_ids)
-        self.num_computed_tokens[slot] = cached.num_computed_tokens
+    def _forget(self, state: RequestState) -> None:
+        self._free_slots.append(state.slot)
+        self.wants_prompt_logprobs.discard(state.req_id)
+        self.num_reading_output_tokens -= state.reads_output_tokens
+
+    def _extend(self, cached_reqs: list[CachedRequestData]) -> np.ndarray:
+        """Apply the diffs of requests the worker holds: one pass over them in Python to
+        gather the diffs, then a few array operations (a decode step extends every running
+        request, where one numpy call per request would cost more than the step's arithmetic)."""
+        states = [self.requests[cached.req_id] for cached in cached_reqs]
+        slots = np.array([state.slot for state in states], dtype=np.int64)
+        new_token_ids = [cached.new_token_ids for cached in cached_reqs]
+        _append_rows(self.token_ids, self.num_tokens, slots, new_token_ids)
+        _append_rows(self.block_table, self.num_blocks, slots, [cached.new_block_ids for cached in cached_reqs])
+        self.num_computed_tokens[slots] = [cached.num_computed_tokens for cached in cached_reqs]
+        if self.num_reading_output_tokens:
+            for state, token_ids in zip(states, new_token_ids, strict=True):
+                if token_ids and state.reads_output_tokens:
+                    state.output_token_ids.extend(token_ids)
+        return slots
+
+
+def _append_rows(table: np.ndarray, lengths: np.ndarray, slots: np.ndarray, rows: list[list[int]]) -> None:
+    """Append `rows[i]` to row `slots[i]` of `table`, after its first `lengths[slots[i]]`
+    entries, and count them in `lengths` (slots are distinct)."""
+    counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))  # [num_rows]
+    num_new = int(counts.sum())
+    if num_new == 0:
+        return
+    # Entry j of the flattened rows goes to row slots[r] at column lengths[slots[r]] + k, where
+    # r is its row and k its index within that row.
+    first_entry = np.cumsum(counts) - counts  # [num_rows] index of each row's first entry
+    columns = np.repeat(lengths[slots] - first_entry, counts) + np.arange(num_new)  # [num_new]
+    table[np.repeat(slots, counts), columns] = list(itertools.chain.from_iterable(rows))
+    lengths[slots] += counts

@@ -52,8 +52,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
-    # Requests that sample this step (their prompt is complete) and their last token's row.
+    # Requests that sample this step (their prompt is complete), their input batch rows, and
+    # their last token's row.
     sampling_req_ids: list[str]
+    sampling_slots: np.ndarray
     logits_indices: np.ndarray
     # Requests that want prompt logprobs: (req_id, rows, target token ids) computed this step.
     prompt_logprob_rows: list[tuple[str, np.ndarray, np.ndarray]]
@@ -87,9 +89,10 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
-        # The last step's sampled tokens on the device, and each sampling request's row in them.
+        # The last step's sampled tokens on the device, and by input batch row (slot) the row
+        # in them that was sampled for its request (-1: none).
         self.prev_sampled: torch.Tensor | None = None
-        self.prev_sampled_rows: dict[str, int] = {}
+        self.prev_sampled_rows = np.full(scheduler_config.max_num_seqs, -1, dtype=np.int64)
 
     @property
     def is_sampling_rank(self) -> bool:
@@ -193,11 +196,11 @@ class ModelRunner:
     ) -> ModelRunnerOutput | SampledStep | FinishedStep | None:
         """Run one step. With `non_block` return as soon as it is launched: a `SampledStep`
         whose `result()` waits for the device and reads the sampled tokens back."""
-        self.input_batch.update(scheduler_output)
+        slots = self.input_batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
             return FinishedStep(empty) if non_block else empty
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self._prepare_inputs(scheduler_output, slots)
         hidden_states = self._forward(inputs)
         if not get_pp_group().is_last_rank:
             self._send_intermediate_tensors(hidden_states)
@@ -239,12 +242,13 @@ class ModelRunner:
         for name in INTERMEDIATE_TENSOR_NAMES:
             pp.send(tensors[name], pp.rank_in_group + 1)
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput, slots: np.ndarray) -> StepInputs:
+        """The step's flat inputs; `slots` holds each scheduled request's row of the input batch,
+        in batch order."""
         self.buffers.begin_step()
         batch = self.input_batch
         req_ids = scheduler_output.scheduled_req_ids
-        slots = np.array([batch.requests[r].slot for r in req_ids], dtype=np.int64)
-        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        num_scheduled = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(slots))
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -258,32 +262,35 @@ class ModelRunner:
         block_ids = batch.block_table[token_slots, positions // self.block_size]
         slot_mapping = block_ids.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = start + num_scheduled  # [num_reqs] context length after this step
-        block_tables = batch.block_table[slots]  # full rows: the device buffer's stride is fixed
+        # The rows' first blocks, as many as the longest context needs (the device buffer keeps
+        # its full width, so the rows' stride never changes; the kernels read no further).
+        block_tables = batch.block_table[slots, : -(-int(seq_lens.max()) // self.block_size)]
 
         samples = seq_lens >= batch.num_tokens[slots]  # this step completes the known tokens
         attn_metadata = self._attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping)
         views = self.buffers.load(input_ids=input_ids, positions=positions)
         unknown = positions >= batch.num_tokens[token_slots]  # tokens still being sampled
         if unknown.any():
-            self._fill_pending_tokens(
-                views["input_ids"], np.flatnonzero(unknown), [req_ids[i] for i in req_index[unknown]]
-            )
+            self._fill_pending_tokens(views["input_ids"], np.flatnonzero(unknown), token_slots[unknown])
+        all_sample = bool(samples.all())
         return StepInputs(
             req_ids=req_ids,
             input_ids=views["input_ids"],
             positions=views["positions"],
             attn_metadata=attn_metadata,
-            sampling_req_ids=[r for r, s in zip(req_ids, samples) if s],
+            sampling_req_ids=req_ids if all_sample else [r for r, s in zip(req_ids, samples.tolist()) if s],
+            sampling_slots=slots if all_sample else slots[samples],
             logits_indices=query_start_loc[1:][samples] - 1,
             prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
         )
 
-    def _fill_pending_tokens(self, input_ids: torch.Tensor, index: np.ndarray, req_ids: list[str]) -> None:
+    def _fill_pending_tokens(self, input_ids: torch.Tensor, index: np.ndarray, slots: np.ndarray) -> None:
         """Async scheduling: a request scheduled again before its last sampled token came back
-        takes that token, as input at `index`, from the previous step's samples on the device."""
-        if self.prev_sampled is None or any(r not in self.prev_sampled_rows for r in req_ids):
+        takes that token, as input at `index`, from the previous step's samples on the device
+        (`slots`: the input batch rows of the requests these inputs belong to)."""
+        rows = self.prev_sampled_rows[slots] if self.prev_sampled is not None else np.full(len(slots), -1)
+        if (rows < 0).any():
             raise RuntimeError("a step's input token was never sampled: the engine scheduled ahead of two steps")
-        rows = np.array([self.prev_sampled_rows[r] for r in req_ids], dtype=np.int64)
         views = self.buffers.load(pending_token_index=index, pending_token_rows=rows)
         input_ids.index_copy_(0, views["pending_token_index"], self.prev_sampled[views["pending_token_rows"]])
 
@@ -328,11 +335,13 @@ class ModelRunner:
     ) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """For requests that asked for prompt logprobs: the rows whose logits predict a prompt
         token (position p predicts token p + 1), and those target tokens."""
-        rows = []
+        rows: list[tuple[str, np.ndarray, np.ndarray]] = []
+        if not self.input_batch.wants_prompt_logprobs:
+            return rows
         for i, req_id in enumerate(req_ids):
-            state = self.input_batch.requests[req_id]
-            if state.sampling_params.prompt_logprobs is None:
+            if req_id not in self.input_batch.wants_prompt_logprobs:
                 continue
+            state = self.input_batch.requests[req_id]
             first, end = int(start[i]), min(int(start[i] + num_scheduled[i]), state.num_prompt_tokens - 1)
             if end <= first:
                 continue
@@ -351,13 +360,19 @@ class ModelRunner:
         if not self.is_sampling_rank:
             return None
         result = None
-        self.prev_sampled, self.prev_sampled_rows = None, {}
         if logits is not None:
             metadata = build_sampling_metadata(states, logits.shape[-1], self.device)
             result = self.sampler(logits, metadata)
-            self.prev_sampled = result.sampled_token_ids
-            self.prev_sampled_rows = {req_id: i for i, req_id in enumerate(inputs.sampling_req_ids)}
+        self.keep_samples(inputs.sampling_slots, result.sampled_token_ids if result is not None else None)
         return SampledStep(inputs.req_ids, states, result, prompt_logprobs, step_id)
+
+    def keep_samples(self, slots: np.ndarray, sampled_token_ids: torch.Tensor | None) -> None:
+        """Remember this step's samples on the device, row i sampled for the request in input
+        batch row `slots[i]`: the next step's inputs may take them (`_fill_pending_tokens`)."""
+        self.prev_sampled = sampled_token_ids
+        self.prev_sampled_rows.fill(-1)
+        if sampled_token_ids is not None:
+            self.prev_sampled_rows[slots] = np.arange(len(slots))
 
     def _logits(self, hidden_states: torch.Tensor, logits_indices: np.ndarray, num_tokens: int) -> torch.Tensor:
         """Logits of the rows `logits_indices`. The LM head runs at the next of

@@ -44,15 +44,47 @@ class SamplingMetadata:
 
 
 def build_sampling_metadata(states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
+    if all(s.plain for s in states):  # most batches: the general build with nothing but temperatures
+        return _temperatures_only(states, device)
+    return _general_sampling_metadata(states, vocab_size, device)
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _temperatures_only(states: list[RequestState], device: torch.device) -> SamplingMetadata:
+    """What `_general_sampling_metadata` builds for a batch of plain requests (`RequestState.plain`)."""
+    greedy = [s.greedy for s in states]
+    return SamplingMetadata(
+        temperature=_column([s.temperature for s in states], torch.float32, device),
+        greedy=_column(greedy, torch.bool, device),
+        all_greedy=all(greedy),
+        any_greedy=any(greedy),
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        generators={},
+        max_num_logprobs=-1,
+        repetition_penalty=None,
+        frequency_penalty=None,
+        presence_penalty=None,
+        prompt_token_ids=None,
+        output_token_ids=None,
+        min_tokens_mask=[],
+    )
+
+
+def _general_sampling_metadata(states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
     params = [s.sampling_params for s in states]
-    greedy = [p.greedy for p in params]
+    greedy = [s.greedy for s in states]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return _column(values, dtype, device)
 
     use_penalties = any(p.uses_penalties for p in params)
     return SamplingMetadata(
-        temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+        temperature=column([s.temperature for s in states], torch.float32),
         greedy=column(greedy, torch.bool),
         all_greedy=all(greedy),
         any_greedy=any(greedy),

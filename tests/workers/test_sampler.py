@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shoal.sampling_params import SamplingParams
+from shoal.workers import sampler as sampler_module
 from shoal.workers.input_batch import RequestState
 from shoal.workers.sampler import Sampler, apply_penalties, build_sampling_metadata, processed_probs
 
@@ -88,6 +89,25 @@ def test_samples_only_allowed_tokens_with_right_frequencies() -> None:
     counts = torch.bincount(sampled, minlength=VOCAB).float() / len(states)
     assert set(sampled.tolist()) <= set(torch.nonzero(reference).flatten().tolist())
     assert (counts - reference).abs().max() < 0.03
+
+
+def test_plain_batches_get_the_general_metadata() -> None:
+    """Batches of temperature-only requests take a shortcut; it must build what the general
+    path builds for them (and any other request sends the batch down the general path)."""
+    plain = [SamplingParams(temperature=0.6), SamplingParams(temperature=0.0), SamplingParams(temperature=1.2)]
+    states = [make_state(i, p) for i, p in enumerate(plain)]
+    assert all(s.plain for s in states)
+    fast = build_sampling_metadata(states, VOCAB, torch.device("cpu"))
+    general = sampler_module._general_sampling_metadata(states, VOCAB, torch.device("cpu"))
+    for name, value in vars(general).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(getattr(fast, name), value), name
+        else:
+            assert getattr(fast, name) == value, name
+    others = [*PARAMS[1:], SamplingParams(min_tokens=2), SamplingParams(logprobs=1), SamplingParams(seed=3)]
+    others += [SamplingParams(repetition_penalty=1.2), SamplingParams(presence_penalty=0.5)]
+    for other in others:
+        assert not make_state(9, other).plain, other
 
 
 def reference_penalties(logits: torch.Tensor, state: RequestState) -> torch.Tensor:
