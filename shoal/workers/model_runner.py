@@ -11,7 +11,7 @@ replay CUDA graphs (`CudaGraphRunner`) unless `enforce_eager`.
 A step's sampled tokens stay on the device until `SampledStep.result()` reads them back, so
 with async scheduling the engine prepares and launches the next step first. That next step may
 include a request whose last token the host does not know yet: its input is taken on the device
-from the previous step's samples (`_fill_pending_tokens`).
+from the previous step's samples (`_pending_token_rows`).
 
 With pipeline parallelism a stage after the first receives the previous stage's hidden states
 and residual before its forward, and a stage before the last sends its own after; only the last
@@ -170,14 +170,18 @@ class ModelRunner:
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
         positions = np.concatenate([np.arange(n) for n in query_lens])
         block_tables = np.zeros((len(query_lens), self.max_blocks_per_req), dtype=np.int32)
-        metadata = self._attention_metadata(
-            query_start_loc, query_lens, block_tables, np.full(num_tokens, -1, dtype=np.int64)
+        views = self.buffers.load(
+            input_ids=np.zeros(num_tokens, dtype=np.int64),
+            positions=positions,
+            **self._attention_arrays(
+                query_start_loc, query_lens, block_tables, np.full(num_tokens, -1, dtype=np.int64)
+            ),
         )
+        metadata = self._attention_metadata(query_start_loc, query_lens, views)
         for layer in self._model.attention_layers():
             layer.kv_cache = torch.zeros(
                 (2, 1, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=self.dtype, device=self.device
             )
-        views = self.buffers.load(input_ids=np.zeros(num_tokens, dtype=np.int64), positions=positions)
         with set_forward_context(metadata):
             hidden_states = self._model(views["input_ids"], views["positions"])
         if get_pp_group().is_last_rank:
@@ -267,11 +271,21 @@ class ModelRunner:
         block_tables = batch.block_table[slots, : -(-int(seq_lens.max()) // self.block_size)]
 
         samples = seq_lens >= batch.num_tokens[slots]  # this step completes the known tokens
-        attn_metadata = self._attention_metadata(query_start_loc, seq_lens, block_tables, slot_mapping)
-        views = self.buffers.load(input_ids=input_ids, positions=positions)
-        unknown = positions >= batch.num_tokens[token_slots]  # tokens still being sampled
-        if unknown.any():
-            self._fill_pending_tokens(views["input_ids"], np.flatnonzero(unknown), token_slots[unknown])
+        arrays = self._attention_arrays(query_start_loc, seq_lens, block_tables, slot_mapping)
+        # Tokens still being sampled (async scheduling): their rows of input_ids come from the
+        # previous step's samples on the device.
+        pending = np.flatnonzero(positions >= batch.num_tokens[token_slots])
+        if len(pending):
+            arrays.update(
+                pending_token_index=pending, pending_token_rows=self._pending_token_rows(token_slots[pending])
+            )
+        views = self.buffers.load(input_ids=input_ids, positions=positions, **arrays)  # one copy
+        if len(pending):
+            assert self.prev_sampled is not None
+            views["input_ids"].index_copy_(
+                0, views["pending_token_index"], self.prev_sampled[views["pending_token_rows"]]
+            )
+        attn_metadata = self._attention_metadata(query_start_loc, seq_lens, views)
         all_sample = bool(samples.all())
         return StepInputs(
             req_ids=req_ids,
@@ -284,32 +298,35 @@ class ModelRunner:
             prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
         )
 
-    def _fill_pending_tokens(self, input_ids: torch.Tensor, index: np.ndarray, slots: np.ndarray) -> None:
+    def _pending_token_rows(self, slots: np.ndarray) -> np.ndarray:
         """Async scheduling: a request scheduled again before its last sampled token came back
-        takes that token, as input at `index`, from the previous step's samples on the device
-        (`slots`: the input batch rows of the requests these inputs belong to)."""
+        takes that token from the previous step's samples on the device. Their rows there, for
+        the requests in input batch rows `slots`."""
         rows = self.prev_sampled_rows[slots] if self.prev_sampled is not None else np.full(len(slots), -1)
         if (rows < 0).any():
             raise RuntimeError("a step's input token was never sampled: the engine scheduled ahead of two steps")
-        views = self.buffers.load(pending_token_index=index, pending_token_rows=rows)
-        input_ids.index_copy_(0, views["pending_token_index"], self.prev_sampled[views["pending_token_rows"]])
+        return rows
+
+    @staticmethod
+    def _attention_arrays(
+        query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, slot_mapping: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """The host arrays the attention metadata's device tensors are loaded from."""
+        return {
+            "query_start_loc": query_start_loc,
+            "seq_lens": seq_lens,
+            # Longest context first, so the decode kernel's long programs start first.
+            "decode_order": np.argsort(-seq_lens, kind="stable").astype(np.int32),
+            "block_tables": block_tables,
+            "slot_mapping": slot_mapping,
+        }
 
     def _attention_metadata(
-        self,
-        query_start_loc: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: np.ndarray,
-        slot_mapping: np.ndarray,
+        self, query_start_loc: np.ndarray, seq_lens: np.ndarray, views: dict[str, torch.Tensor]
     ) -> AttentionMetadata:
+        """The step's attention metadata over the device `views` its `_attention_arrays` were
+        loaded into."""
         query_lens = np.diff(query_start_loc)
-        views = self.buffers.load(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            # Longest context first, so the decode kernel's long programs start first.
-            decode_order=np.argsort(-seq_lens, kind="stable").astype(np.int32),
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-        )
         is_decode_only = bool((query_lens == 1).all())
         plans_fresh_prefills = fresh_prefill_attention.BY_SDPA and not is_decode_only
         return AttentionMetadata(
@@ -368,7 +385,7 @@ class ModelRunner:
 
     def keep_samples(self, slots: np.ndarray, sampled_token_ids: torch.Tensor | None) -> None:
         """Remember this step's samples on the device, row i sampled for the request in input
-        batch row `slots[i]`: the next step's inputs may take them (`_fill_pending_tokens`)."""
+        batch row `slots[i]`: the next step's inputs may take them (`_pending_token_rows`)."""
         self.prev_sampled = sampled_token_ids
         self.prev_sampled_rows.fill(-1)
         if sampled_token_ids is not None:

@@ -23,7 +23,9 @@ def _metadata(runner: ModelRunner, query_lens: list[int], seq_lens: list[int]):
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
     block_tables = np.zeros((len(query_lens), runner.max_blocks_per_req), dtype=np.int32)
     slot_mapping = np.zeros(int(query_start_loc[-1]), dtype=np.int64)
-    return runner._attention_metadata(query_start_loc, np.array(seq_lens, dtype=np.int64), block_tables, slot_mapping)
+    seq_lens_array = np.array(seq_lens, dtype=np.int64)
+    views = runner.buffers.load(**runner._attention_arrays(query_start_loc, seq_lens_array, block_tables, slot_mapping))
+    return runner._attention_metadata(query_start_loc, seq_lens_array, views)
 
 
 def test_prefill_steps_carry_the_fresh_prefill_plan(runner: ModelRunner, monkeypatch) -> None:
