@@ -14,7 +14,9 @@ one engine per model shape so that dummy 8B weights are made once for several wo
    max_num_batched_tokens 16384, where shoal's defaults are 256 and 8192), so that the
    comparison with vLLM's numbers is also made at its own settings (not in the default steps
    since run E showed both runs slower there than at shoal's defaults).
-5. `sharegpt` (not in the default steps either: it needs `tests/gpu/stage_sharegpt.py`'s folder,
+5. `host_step`: `benchmarks/bench_host_step.py` on this machine's CPU: the host's work per
+   decode step (scheduler and worker side, no model) for 256 requests, phase by phase.
+6. `sharegpt` (not in the default steps either: it needs `tests/gpu/stage_sharegpt.py`'s folder,
    --sharegpt-dir): ShareGPT prompts on the Llama-3.1-8B shape with a Llama-3 tokenizer, 64 at a
    time, offline (max_num_seqs 64) and then over HTTP (a client keeping 64 streams open): the
    served output tokens/s as a share of the offline run's, and TTFT / ITL p50 and p99.
@@ -80,6 +82,7 @@ class Plan:
     ratio: tuple[int, int, int]
     serve_load: tuple[int, int, int]
     sharegpt: tuple[int, int] = (500, 64)  # requests, concurrency
+    host_step: tuple[int, int] = (256, 1000)  # decoding requests, timed steps
     wide_batching: tuple[int, int] = (1024, 16384)  # vLLM's offline max_num_seqs, max_num_batched_tokens
     big_label: str = "llama8b"
     small_label: str = "qwen3_0.6b"
@@ -109,6 +112,7 @@ def smoke_plan(model: Path) -> Plan:
         serve_load=(8, 32, 8),
         sharegpt=(12, 4),
         wide_batching=(32, 512),
+        host_step=(16, 30),
     )
     return Plan(
         model,
@@ -337,14 +341,28 @@ def sharegpt(suite: Suite) -> None:
     suite.save(f"{plan.big_label}_sharegpt_c{concurrency}", {**report, "served_over_offline": share})
 
 
+def host_step(suite: Suite) -> None:
+    """The host's work per decode step on this machine's CPU (no model, no device)."""
+    num_requests, num_steps = suite.plan.host_step
+    path = suite.out / "host_step.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_host_step.py"), "--output", str(path)]
+    command += ["--num-requests", str(num_requests), "--num-steps", str(num_steps), "--warmup-steps", "10"]
+    subprocess.run(command, check=True)
+    phases = json.loads(path.read_text())["phases"]
+    engine_us = phases["schedule"]["p50_us"] + phases["update_from_output"]["p50_us"]
+    suite.row("host_step", "engine core us/step p50", round(engine_us, 1), note=f"{num_requests} decoding requests")
+    suite.row("host_step", "all host work us/step p50", round(phases["total"]["p50_us"], 1))
+
+
 STEPS = {
     "llama8b": big_model,
     "qwen06b": small_model,
     "serve": serve,
     "llama8b_wide": big_model_wide,
     "sharegpt": sharegpt,
+    "host_step": host_step,
 }
-DEFAULT_STEPS = ["llama8b", "qwen06b", "serve"]
+DEFAULT_STEPS = ["host_step", "llama8b", "qwen06b", "serve"]
 
 
 def main() -> int:

@@ -2,12 +2,13 @@
 # shoal's benchmarks on one H200 in one call of about 5 minutes (tests/gpu/bench_suite.py):
 # Llama-3.1-8B shape with dummy bf16 weights (nano-vllm protocol, 1000 x (1024 in, 128 out),
 # batch-1 latency 128 in / 512 out, 64 x (512 in, 128 out) against transformers), the Qwen3-0.6B
-# shape on the nano-vllm protocol, and `shoal serve`'s ready-to-answer time with dummy 8B weights.
+# shape on the nano-vllm protocol, `shoal serve`'s ready-to-answer time with dummy 8B weights, and
+# first the host's work per decode step on this machine's CPU (benchmarks/bench_host_step.py).
 # Each result JSON lands in $RESULTS as soon as its run ends; at the end they are packed into
 # $OUT/bench_results.tgz (the device tool brings back at most 8 files) beside bench_suite.log; the
 # summary table is printed last.
 #   bash tests/gpu/run_bench.sh          # (sources .whl/prelude.sh itself when it is there)
-# SHOAL_BENCH_STEPS="llama8b qwen06b serve" picks steps; SHOAL_BENCH_TIMEOUT_S (330) caps the
+# SHOAL_BENCH_STEPS="host_step llama8b qwen06b serve" picks steps; SHOAL_BENCH_TIMEOUT_S (330) caps the
 # suite: at the cap it is interrupted, shuts its engines down and still prints the summary.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

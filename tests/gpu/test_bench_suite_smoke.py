@@ -1,6 +1,7 @@
 """tests/gpu/bench_suite.py's steps that exist for the GPU only, on CPU with `--smoke`: ShareGPT
 serving (a tiny model with its own tokenizer, a few ShareGPT exchanges, offline and then over HTTP
-at the same concurrency) and the runs at vLLM's batching limits."""
+at the same concurrency), the runs at vLLM's batching limits, and the host-work benchmark
+(`benchmarks/bench_host_step.py`)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,19 @@ def test_wide_batching_step_runs_at_its_own_limits(tiny_checkpoints: dict[str, P
         assert report["engine_args"]["max_num_batched_tokens"] == 512
         result = report["results"]["shoal"]
         assert result["num_output_tokens"] == report["workload"]["num_output_tokens"] > 0
+
+
+def test_host_step_times_every_phase(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = [sys.executable, str(SCRIPT), "--out", str(out), "--smoke", str(tiny_checkpoints["llama"])]
+    command += ["--only", "host_step"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads((out / "host_step.json").read_text())
+    assert report["config"]["num_requests"] == 16 and report["config"]["num_steps"] == 30
+    phases = report["phases"]
+    names = ("schedule", "update_from_output", "input_batch_update", "prepare_inputs", "sampling_metadata", "result")
+    assert set(phases) == {*names, "total"}
+    assert all(p["p50_us"] > 0 for p in phases.values())
+    assert phases["total"]["mean_us"] >= max(p["mean_us"] for name, p in phases.items() if name != "total")
+    assert "all host work us/step p50" in done.stdout
