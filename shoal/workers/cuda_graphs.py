@@ -7,7 +7,9 @@ and replayed: one launch. Larger decode batches run eagerly: their GEMMs take te
 microseconds each, so launches no longer bound them, and capture stays short.
 Graphs read their inputs from the fixed `StepBuffers`; a batch of n requests runs the graph of
 the smallest captured size >= n, its extra rows padded so that they write nowhere (slot -1) and
-attend to one cached token. Prefill and mixed batches run eagerly.
+attend to one cached token. The runner appends those rows (`padding_rows`) to the step's host
+arrays, so they reach the device in the step's own copies rather than as a handful of fill
+kernels per replay. Prefill and mixed batches run eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import bisect
 import logging
 import time
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -42,6 +45,23 @@ def round_up_to_size(sizes: list[int], n: int) -> int | None:
     """The smallest of the (sorted) `sizes` that is at least n; None past the largest."""
     index = bisect.bisect_left(sizes, n)
     return sizes[index] if index < len(sizes) else None
+
+
+def padding_rows(num_reqs: int, size: int, num_block_columns: int) -> dict[str, np.ndarray]:
+    """Rows num_reqs..size of a decode padded to a graph's `size`, by step buffer: token 0 at
+    position 0, written nowhere (slot -1), attending to one token of block 0 (finite values; the
+    rows are discarded), one query token each (so `query_start_loc` continues past the batch's
+    end, entries num_reqs+1..size), their programs after the batch's own (`decode_order`)."""
+    num_rows = size - num_reqs
+    return {
+        "input_ids": np.zeros(num_rows, dtype=np.int64),
+        "positions": np.zeros(num_rows, dtype=np.int64),
+        "slot_mapping": np.full(num_rows, -1, dtype=np.int64),
+        "seq_lens": np.ones(num_rows, dtype=np.int32),
+        "block_tables": np.zeros((num_rows, num_block_columns), dtype=np.int32),
+        "decode_order": np.arange(num_reqs, size, dtype=np.int32),
+        "query_start_loc": np.arange(num_reqs + 1, size + 1, dtype=np.int32),
+    }
 
 
 class CudaGraphRunner:
@@ -71,7 +91,7 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs then fit in the memory the largest one reserved.
         for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", dynamic_ncols=True):
-            self._pad(0, size)
+            self._load_padding_only(size)
             metadata = self.metadata(size)
             with set_forward_context(metadata):
                 self._forward(size)  # warm up: autotuning and lazy initialization run outside capture
@@ -88,11 +108,9 @@ class CudaGraphRunner:
             time.perf_counter() - start,
         )
 
-    def replay(self, num_reqs: int, size: int) -> torch.Tensor:
-        """Run the decode already loaded into the buffers for `num_reqs` requests; returns the
-        hidden states of all `size` rows: those requests' first, then the padding's."""
-        if num_reqs < size:
-            self._pad(num_reqs, size)
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the decode already loaded into the buffers, padded to `size` rows (`padding_rows`);
+        returns the hidden states of all `size` rows: the requests' first, then the padding's."""
         self.graphs[size].replay()
         return self.outputs[size]
 
@@ -117,14 +135,8 @@ class CudaGraphRunner:
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.buffers["input_ids"][:size], self.buffers["positions"][:size])
 
-    def _pad(self, num_reqs: int, size: int) -> None:
-        """Rows num_reqs..size of a padded decode: token 0 at position 0, written nowhere,
-        attending to one token of block 0 (finite values; the rows are discarded)."""
-        b = self.buffers
-        b["input_ids"][num_reqs:size].zero_()
-        b["positions"][num_reqs:size].zero_()
-        b["slot_mapping"][num_reqs:size].fill_(-1)
-        b["seq_lens"][num_reqs:size].fill_(1)
-        b["block_tables"][num_reqs:size].zero_()
-        torch.arange(num_reqs, size, out=b["decode_order"][num_reqs:size])  # after the batch's own order
-        torch.arange(num_reqs, size + 1, out=b["query_start_loc"][num_reqs : size + 1])
+    def _load_padding_only(self, size: int) -> None:
+        """A batch of `size` padding rows, to capture the graph on."""
+        arrays = padding_rows(0, size, num_block_columns=1)
+        arrays["query_start_loc"] = np.arange(size + 1, dtype=np.int32)
+        self.buffers.load(**arrays)

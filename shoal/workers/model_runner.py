@@ -32,7 +32,7 @@ from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
-from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, round_up_to_size
+from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
 from shoal.workers.input_batch import InputBatch, RequestState
 from shoal.workers.sampler import Sampler, build_sampling_metadata
 from shoal.workers.step_buffers import StepBuffers
@@ -219,10 +219,10 @@ class ModelRunner:
         padding rows after the batch's), else an eager forward (receiving the previous pipeline
         stage's tensors first)."""
         md = inputs.attn_metadata
-        if self.cuda_graphs is not None and md.is_decode_only:
-            size = self.cuda_graphs.padded_size(md.num_reqs)
-            if size is not None:
-                return self.cuda_graphs.replay(md.num_reqs, size)
+        size = self._graph_size(md.num_reqs, md.num_tokens)
+        if size is not None:
+            assert self.cuda_graphs is not None
+            return self.cuda_graphs.replay(size)
         intermediate_tensors = self._recv_intermediate_tensors(md.num_tokens)
         with set_forward_context(md):
             return self._model(inputs.input_ids, inputs.positions, intermediate_tensors)
@@ -279,7 +279,7 @@ class ModelRunner:
             arrays.update(
                 pending_token_index=pending, pending_token_rows=self._pending_token_rows(token_slots[pending])
             )
-        views = self.buffers.load(input_ids=input_ids, positions=positions, **arrays)  # one copy
+        views = self._load(num_tokens, {"input_ids": input_ids, "positions": positions, **arrays})
         if len(pending):
             assert self.prev_sampled is not None
             views["input_ids"].index_copy_(
@@ -297,6 +297,26 @@ class ModelRunner:
             logits_indices=query_start_loc[1:][samples] - 1,
             prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
         )
+
+    def _graph_size(self, num_reqs: int, num_tokens: int) -> int | None:
+        """The captured batch size a step replays at: a decode (one token per request) within
+        the captured sizes; None when it runs eagerly."""
+        if self.cuda_graphs is None or num_tokens != num_reqs:
+            return None
+        return self.cuda_graphs.padded_size(num_reqs)
+
+    def _load(self, num_tokens: int, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Load the step's host arrays into the step buffers; a step that replays a CUDA graph
+        loads the graph's padding rows with them (`padding_rows`). Returns the views of the
+        step's own rows."""
+        num_reqs = len(arrays["seq_lens"])
+        size = self._graph_size(num_reqs, num_tokens)
+        loaded = arrays
+        if size is not None and size > num_reqs:
+            pad = padding_rows(num_reqs, size, arrays["block_tables"].shape[1])
+            loaded = {name: np.concatenate([a, pad[name]]) if name in pad else a for name, a in arrays.items()}
+        views = self.buffers.load(**loaded)
+        return {name: view[: len(arrays[name])] for name, view in views.items()}
 
     def _pending_token_rows(self, slots: np.ndarray) -> np.ndarray:
         """Async scheduling: a request scheduled again before its last sampled token came back

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from shoal.config import EngineArgs
+from shoal.engine_core.batch import NewRequestData, SchedulerOutput
 from shoal.kernels import fresh_prefill_attention
 from shoal.kernels.fresh_prefill_attention import PromptGroup
+from shoal.sampling_params import SamplingParams
 from shoal.workers.model_runner import ModelRunner
 
 
@@ -55,3 +57,47 @@ def test_decode_order_takes_the_longest_context_first(runner: ModelRunner) -> No
     md = _metadata(runner, [1, 1, 1, 1, 4], [5, 900, 9, 900, 40])
     assert md.decode_order is not None
     assert md.decode_order.tolist() == [1, 3, 4, 2, 0]
+
+
+class GraphSizes:
+    """Stands in for the CUDA graphs (GPU only): decodes of up to 4 requests replay at size 4."""
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        return 4 if num_reqs <= 4 else None
+
+
+def decode_step(runner: ModelRunner, contexts: list[int], step_id: int):
+    """Requests with `contexts[i]` tokens in the cache each decoding their next token."""
+    requests = [
+        NewRequestData(f"r{step_id}-{i}", list(range(1, n + 2)), [], SamplingParams(), [i, 7], n)
+        for i, n in enumerate(contexts)
+    ]
+    out = SchedulerOutput(requests, [], {r.req_id: 1 for r in requests}, len(requests), step_id=step_id)
+    return out, runner.input_batch.update(out)
+
+
+def test_a_decode_replayed_at_a_graph_size_loads_the_padding_rows(runner: ModelRunner, monkeypatch) -> None:
+    """The padding rows go to the device with the step's inputs (`padding_rows`); the step's own
+    inputs and metadata keep the batch's rows."""
+    monkeypatch.setattr(runner, "cuda_graphs", GraphSizes())
+    for tensor in runner.buffers.device_tensors.values():
+        tensor.fill_(99)  # stale values from earlier steps
+    out, slots = decode_step(runner, [5, 20, 9], step_id=1)
+    inputs = runner._prepare_inputs(out, slots)
+    md = inputs.attn_metadata
+    assert (md.num_reqs, md.num_tokens, len(inputs.input_ids), len(md.seq_lens)) == (3, 3, 3, 3)
+    assert md.seq_lens.tolist() == [6, 21, 10] and md.query_start_loc.tolist() == [0, 1, 2, 3]
+    b = runner.buffers
+    # Row 3 is padding: token 0 at position 0, no slot, one token of block 0, programs after the batch's.
+    assert (b["input_ids"][3], b["positions"][3], b["slot_mapping"][3], b["seq_lens"][3]) == (0, 0, -1, 1)
+    assert b["block_tables"][3, 0] == 0 and b["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
+    assert b["decode_order"][:4].tolist() == [1, 2, 0, 3]
+
+
+def test_eager_steps_load_no_padding(runner: ModelRunner, monkeypatch) -> None:
+    monkeypatch.setattr(runner, "cuda_graphs", GraphSizes())
+    out, slots = decode_step(runner, [3, 4, 5, 6, 7], step_id=2)  # 5 decodes: past the largest graph
+    for tensor in runner.buffers.device_tensors.values():
+        tensor.fill_(99)
+    runner._prepare_inputs(out, slots)
+    assert runner.buffers["seq_lens"][5] == 99 and runner.buffers["slot_mapping"][5] == 99
