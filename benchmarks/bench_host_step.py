@@ -9,8 +9,9 @@ worker-side code of a `ModelRunner` on the CPU:
 
 - engine core: `schedule` and `update_from_output` (what `bench_scheduler.py` times);
 - worker: the persistent batch's update from the step's diffs (`InputBatch.update`), the flat
-  inputs and attention metadata (`ModelRunner._prepare_inputs`), the sampling metadata
-  (`build_sampling_metadata`), and turning the sampled tokens into the step's output
+  inputs and attention metadata (`ModelRunner._prepare_inputs`; a plain batch's sampling
+  metadata comes with them), the sampling metadata of the rest (`ModelRunner.sampling_metadata`),
+  and turning the sampled tokens into the step's output
   (`SampledStep.result`).
 
 The model config only sizes the worker's buffers (`max_model_len`, `max_num_seqs`); nothing
@@ -44,7 +45,7 @@ from shoal.engine_core.batch import SchedulerOutput
 from shoal.engine_core.process import freeze_start_up_heap
 from shoal.engine_core.scheduler import Scheduler
 from shoal.workers.model_runner import ModelRunner
-from shoal.workers.sampler import SamplerOutput, build_sampling_metadata
+from shoal.workers.sampler import SamplerOutput
 from shoal.workers.step_output import SampledStep
 
 PHASES = ("schedule", "update_from_output", "input_batch_update", "prepare_inputs", "sampling_metadata", "result")
@@ -111,7 +112,7 @@ class HostStep:
         inputs = self.runner._prepare_inputs(sched_out, slots)
         t3 = clock()
         states = [self.runner.input_batch.requests[r] for r in inputs.sampling_req_ids]
-        build_sampling_metadata(states, self.vocab_size, self.runner.device)
+        self.runner.sampling_metadata(inputs, states, self.vocab_size)
         t4 = clock()
         sampled = SamplerOutput(sampled_token_ids=torch.full((len(states),), token_id, dtype=torch.int64))
         self.runner.keep_samples(inputs.sampling_slots, sampled.sampled_token_ids)  # the next step's inputs read them

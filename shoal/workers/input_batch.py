@@ -60,6 +60,10 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per slot, the sampling facts a plain batch's metadata is gathered from (RequestState).
+        self.plain = np.zeros(max_num_reqs, dtype=bool)
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.greedy = np.zeros(max_num_reqs, dtype=bool)
         self.requests: dict[str, RequestState] = {}
         # The requests that asked for prompt logprobs (few or none: the runner skips the rest).
         self.wants_prompt_logprobs: set[str] = set()
@@ -102,6 +106,7 @@ class InputBatch:
         if params.prompt_logprobs is not None:
             self.wants_prompt_logprobs.add(new.req_id)
         self.num_reading_output_tokens += state.reads_output_tokens
+        self.plain[slot], self.temperature[slot], self.greedy[slot] = state.plain, state.temperature, state.greedy
         tokens = new.prompt_token_ids + new.output_token_ids
         self.token_ids[slot, : len(tokens)] = tokens
         self.num_tokens[slot] = len(tokens)

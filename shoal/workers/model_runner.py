@@ -11,7 +11,7 @@ replay CUDA graphs (`CudaGraphRunner`) unless `enforce_eager`.
 A step's sampled tokens stay on the device until `SampledStep.result()` reads them back, so
 with async scheduling the engine prepares and launches the next step first. That next step may
 include a request whose last token the host does not know yet: its input is taken on the device
-from the previous step's samples (`_pending_token_rows`).
+from the previous step's samples (`_pending_token_arrays`).
 
 With pipeline parallelism a stage after the first receives the previous stage's hidden states
 and residual before its forward, and a stage before the last sends its own after; only the last
@@ -34,7 +34,7 @@ from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
 from shoal.workers.input_batch import InputBatch, RequestState
-from shoal.workers.sampler import Sampler, build_sampling_metadata
+from shoal.workers.sampler import Sampler, SamplingMetadata, build_sampling_metadata, temperatures_only
 from shoal.workers.step_buffers import StepBuffers
 from shoal.workers.step_output import FinishedStep, SampledStep
 
@@ -56,6 +56,8 @@ class StepInputs:
     # their last token's row.
     sampling_req_ids: list[str]
     sampling_slots: np.ndarray
+    # A plain batch's sampling metadata, loaded with the inputs (None: build it from the states).
+    sampling_metadata: SamplingMetadata | None
     logits_indices: np.ndarray
     # Requests that want prompt logprobs: (req_id, rows, target token ids) computed this step.
     prompt_logprob_rows: list[tuple[str, np.ndarray, np.ndarray]]
@@ -271,31 +273,52 @@ class ModelRunner:
         block_tables = batch.block_table[slots, : -(-int(seq_lens.max()) // self.block_size)]
 
         samples = seq_lens >= batch.num_tokens[slots]  # this step completes the known tokens
-        arrays = self._attention_arrays(query_start_loc, seq_lens, block_tables, slot_mapping)
-        # Tokens still being sampled (async scheduling): their rows of input_ids come from the
-        # previous step's samples on the device.
-        pending = np.flatnonzero(positions >= batch.num_tokens[token_slots])
-        if len(pending):
-            arrays.update(
-                pending_token_index=pending, pending_token_rows=self._pending_token_rows(token_slots[pending])
-            )
-        views = self._load(num_tokens, {"input_ids": input_ids, "positions": positions, **arrays})
-        if len(pending):
-            assert self.prev_sampled is not None
-            views["input_ids"].index_copy_(
-                0, views["pending_token_index"], self.prev_sampled[views["pending_token_rows"]]
-            )
-        attn_metadata = self._attention_metadata(query_start_loc, seq_lens, views)
         all_sample = bool(samples.all())
+        sampling_slots = slots if all_sample else slots[samples]
+        arrays = {
+            "input_ids": input_ids,
+            "positions": positions,
+            **self._attention_arrays(query_start_loc, seq_lens, block_tables, slot_mapping),
+            **self._plain_sampling_arrays(sampling_slots),
+            **self._pending_token_arrays(positions, token_slots),
+        }
+        views = self._load(num_tokens, arrays)
+        if "pending_token_index" in views:
+            self._fill_pending_tokens(views)
+        attn_metadata = self._attention_metadata(query_start_loc, seq_lens, views)
         return StepInputs(
             req_ids=req_ids,
             input_ids=views["input_ids"],
             positions=views["positions"],
             attn_metadata=attn_metadata,
             sampling_req_ids=req_ids if all_sample else [r for r, s in zip(req_ids, samples.tolist()) if s],
-            sampling_slots=slots if all_sample else slots[samples],
+            sampling_slots=sampling_slots,
+            sampling_metadata=self._plain_sampling_metadata(sampling_slots, views),
             logits_indices=query_start_loc[1:][samples] - 1,
             prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
+        )
+
+    def _plain_sampling_arrays(self, sampling_slots: np.ndarray) -> dict[str, np.ndarray]:
+        """For a step whose sampling rows are all plain (temperature or greedy only), their
+        sampling metadata's host arrays, to load with the inputs; none otherwise."""
+        batch = self.input_batch
+        if len(sampling_slots) == 0 or not batch.plain[sampling_slots].all():
+            return {}
+        return {
+            "sampling_temperature": batch.temperature[sampling_slots],
+            "sampling_greedy": batch.greedy[sampling_slots],
+        }
+
+    def _plain_sampling_metadata(
+        self, sampling_slots: np.ndarray, views: dict[str, torch.Tensor]
+    ) -> SamplingMetadata | None:
+        """A plain batch's sampling metadata over the device rows loaded with its inputs; None
+        when the batch needs the general build (`build_sampling_metadata`)."""
+        if "sampling_temperature" not in views:
+            return None
+        greedy = self.input_batch.greedy[sampling_slots]
+        return temperatures_only(
+            views["sampling_temperature"], views["sampling_greedy"], bool(greedy.all()), bool(greedy.any())
         )
 
     def _graph_size(self, num_reqs: int, num_tokens: int) -> int | None:
@@ -318,14 +341,24 @@ class ModelRunner:
         views = self.buffers.load(**loaded)
         return {name: view[: len(arrays[name])] for name, view in views.items()}
 
-    def _pending_token_rows(self, slots: np.ndarray) -> np.ndarray:
+    def _pending_token_arrays(self, positions: np.ndarray, token_slots: np.ndarray) -> dict[str, np.ndarray]:
         """Async scheduling: a request scheduled again before its last sampled token came back
-        takes that token from the previous step's samples on the device. Their rows there, for
-        the requests in input batch rows `slots`."""
-        rows = self.prev_sampled_rows[slots] if self.prev_sampled is not None else np.full(len(slots), -1)
+        takes that token from the previous step's samples on the device. The rows of input_ids
+        past the tokens the worker knows, and their rows in those samples; none when every
+        token is known."""
+        index = np.flatnonzero(positions >= self.input_batch.num_tokens[token_slots])
+        if len(index) == 0:
+            return {}
+        rows = self.prev_sampled_rows[token_slots[index]] if self.prev_sampled is not None else np.full(len(index), -1)
         if (rows < 0).any():
             raise RuntimeError("a step's input token was never sampled: the engine scheduled ahead of two steps")
-        return rows
+        return {"pending_token_index": index, "pending_token_rows": rows}
+
+    def _fill_pending_tokens(self, views: dict[str, torch.Tensor]) -> None:
+        """Copy the pending tokens from the previous step's samples into input_ids, on the device."""
+        assert self.prev_sampled is not None
+        sampled = self.prev_sampled[views["pending_token_rows"]]
+        views["input_ids"].index_copy_(0, views["pending_token_index"], sampled)
 
     @staticmethod
     def _attention_arrays(
@@ -398,14 +431,18 @@ class ModelRunner:
             return None
         result = None
         if logits is not None:
-            metadata = build_sampling_metadata(states, logits.shape[-1], self.device)
-            result = self.sampler(logits, metadata)
+            result = self.sampler(logits, self.sampling_metadata(inputs, states, logits.shape[-1]))
         self.keep_samples(inputs.sampling_slots, result.sampled_token_ids if result is not None else None)
         return SampledStep(inputs.req_ids, states, result, prompt_logprobs, step_id)
 
+    def sampling_metadata(self, inputs: StepInputs, states: list[RequestState], vocab_size: int) -> SamplingMetadata:
+        """The step's sampling metadata: a plain batch's came with its inputs; the rest are built
+        from the requests' states."""
+        return inputs.sampling_metadata or build_sampling_metadata(states, vocab_size, self.device)
+
     def keep_samples(self, slots: np.ndarray, sampled_token_ids: torch.Tensor | None) -> None:
         """Remember this step's samples on the device, row i sampled for the request in input
-        batch row `slots[i]`: the next step's inputs may take them (`_pending_token_rows`)."""
+        batch row `slots[i]`: the next step's inputs may take them (`_pending_token_arrays`)."""
         self.prev_sampled = sampled_token_ids
         self.prev_sampled_rows.fill(-1)
         if sampled_token_ids is not None:

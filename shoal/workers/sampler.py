@@ -45,7 +45,9 @@ class SamplingMetadata:
 
 def build_sampling_metadata(states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
     if all(s.plain for s in states):  # most batches: the general build with nothing but temperatures
-        return _temperatures_only(states, device)
+        greedy = [s.greedy for s in states]
+        temperature = _column([s.temperature for s in states], torch.float32, device)
+        return temperatures_only(temperature, _column(greedy, torch.bool, device), all(greedy), any(greedy))
     return _general_sampling_metadata(states, vocab_size, device)
 
 
@@ -53,14 +55,17 @@ def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _temperatures_only(states: list[RequestState], device: torch.device) -> SamplingMetadata:
-    """What `_general_sampling_metadata` builds for a batch of plain requests (`RequestState.plain`)."""
-    greedy = [s.greedy for s in states]
+def temperatures_only(
+    temperature: torch.Tensor, greedy: torch.Tensor, all_greedy: bool, any_greedy: bool
+) -> SamplingMetadata:
+    """The metadata of a batch of plain requests (`RequestState.plain`): each row's temperature
+    (1.0 where greedy) and whether it is greedy; what `_general_sampling_metadata` builds for
+    them."""
     return SamplingMetadata(
-        temperature=_column([s.temperature for s in states], torch.float32, device),
-        greedy=_column(greedy, torch.bool, device),
-        all_greedy=all(greedy),
-        any_greedy=any(greedy),
+        temperature=temperature,
+        greedy=greedy,
+        all_greedy=all_greedy,
+        any_greedy=any_greedy,
         top_k=None,
         top_p=None,
         min_p=None,

@@ -32,11 +32,15 @@ class StepBuffers:
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
         self.device = device
         pin = device.type == "cuda"
-        # In layout order: a decode step loads all of them but the last two, mostly front rows.
+        # In layout order: per request (a decode step loads them all, mostly front rows), per
+        # token, the block tables, and what async scheduling needs.
         shapes = {
             "query_start_loc": ((max_num_reqs + 1,), torch.int32),
             "seq_lens": ((max_num_reqs,), torch.int32),
             "decode_order": ((max_num_reqs,), torch.int32),
+            # A plain batch's sampling metadata, per sampling row (sampler.temperatures_only).
+            "sampling_temperature": ((max_num_reqs,), torch.float32),
+            "sampling_greedy": ((max_num_reqs,), torch.bool),
             "input_ids": ((max_num_tokens,), torch.int64),
             "positions": ((max_num_tokens,), torch.int64),
             "slot_mapping": ((max_num_tokens,), torch.int64),

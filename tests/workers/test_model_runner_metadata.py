@@ -12,6 +12,7 @@ from shoal.engine_core.batch import NewRequestData, SchedulerOutput
 from shoal.kernels import fresh_prefill_attention
 from shoal.kernels.fresh_prefill_attention import PromptGroup
 from shoal.sampling_params import SamplingParams
+from shoal.workers import sampler as sampler_module
 from shoal.workers.model_runner import ModelRunner
 
 
@@ -101,3 +102,26 @@ def test_eager_steps_load_no_padding(runner: ModelRunner, monkeypatch) -> None:
         tensor.fill_(99)
     runner._prepare_inputs(out, slots)
     assert runner.buffers["seq_lens"][5] == 99 and runner.buffers["slot_mapping"][5] == 99
+
+
+@pytest.mark.parametrize(
+    "params, plain",
+    [
+        ([SamplingParams(temperature=0.6), SamplingParams(temperature=0.0), SamplingParams(temperature=1.3)], True),
+        ([SamplingParams(temperature=0.6), SamplingParams(top_p=0.5), SamplingParams(temperature=0.0)], False),
+    ],
+)
+def test_a_plain_batch_brings_its_sampling_metadata_with_its_inputs(
+    runner: ModelRunner, params: list[SamplingParams], plain: bool
+) -> None:
+    """Temperatures and greedy flags of a plain batch are gathered from the input batch and
+    loaded with the step's inputs; they equal what the general build makes from the states."""
+    requests = [NewRequestData(f"s{plain}-{i}", [1, 2, 3], [], p, [i], 2) for i, p in enumerate(params)]
+    out = SchedulerOutput(requests, [], {r.req_id: 1 for r in requests}, len(requests), step_id=9)
+    inputs = runner._prepare_inputs(out, runner.input_batch.update(out))
+    states = [runner.input_batch.requests[r] for r in inputs.sampling_req_ids]
+    assert (inputs.sampling_metadata is not None) == plain
+    built = sampler_module._general_sampling_metadata(states, 50, torch.device("cpu"))
+    metadata = runner.sampling_metadata(inputs, states, 50)
+    assert torch.equal(metadata.temperature, built.temperature) and torch.equal(metadata.greedy, built.greedy)
+    assert (metadata.all_greedy, metadata.any_greedy, metadata.top_p is None) == (False, True, plain)
