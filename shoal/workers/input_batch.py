@@ -124,16 +124,17 @@ class InputBatch:
         """Apply the diffs of requests the worker holds: one pass over them in Python to
         gather the diffs, then a few array operations (a decode step extends every running
         request, where one numpy call per request would cost more than the step's arithmetic)."""
-        states = [self.requests[cached.req_id] for cached in cached_reqs]
-        slots = np.array([state.slot for state in states], dtype=np.int64)
+        requests = self.requests
+        slots = np.fromiter((requests[c.req_id].slot for c in cached_reqs), dtype=np.int64, count=len(cached_reqs))
         new_token_ids = [cached.new_token_ids for cached in cached_reqs]
         _append_rows(self.token_ids, self.num_tokens, slots, new_token_ids)
         _append_rows(self.block_table, self.num_blocks, slots, [cached.new_block_ids for cached in cached_reqs])
         self.num_computed_tokens[slots] = [cached.num_computed_tokens for cached in cached_reqs]
         if self.num_reading_output_tokens:
-            for state, token_ids in zip(states, new_token_ids, strict=True):
-                if token_ids and state.reads_output_tokens:
-                    state.output_token_ids.extend(token_ids)
+            for cached in cached_reqs:
+                state = requests[cached.req_id]
+                if cached.new_token_ids and state.reads_output_tokens:
+                    state.output_token_ids.extend(cached.new_token_ids)
         return slots
 
 

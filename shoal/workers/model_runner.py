@@ -334,12 +334,13 @@ class ModelRunner:
         step's own rows."""
         num_reqs = len(arrays["seq_lens"])
         size = self._graph_size(num_reqs, num_tokens)
-        loaded = arrays
-        if size is not None and size > num_reqs:
-            pad = padding_rows(num_reqs, size, arrays["block_tables"].shape[1])
-            loaded = {name: np.concatenate([a, pad[name]]) if name in pad else a for name, a in arrays.items()}
-        views = self.buffers.load(**loaded)
-        return {name: view[: len(arrays[name])] for name, view in views.items()}
+        if size is None or size == num_reqs:
+            return self.buffers.load(**arrays)
+        pad = padding_rows(num_reqs, size, arrays["block_tables"].shape[1])
+        views = self.buffers.load(
+            **{name: np.concatenate([a, pad[name]]) if name in pad else a for name, a in arrays.items()}
+        )
+        return {name: view[: len(arrays[name])] if name in pad else view for name, view in views.items()}
 
     def _pending_token_arrays(self, positions: np.ndarray, token_slots: np.ndarray) -> dict[str, np.ndarray]:
         """Async scheduling: a request scheduled again before its last sampled token came back
