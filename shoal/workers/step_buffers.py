@@ -9,8 +9,8 @@ turn, and a set is reused only after the copies of two steps ago have run (an ev
 All buffers are views into one device allocation, and each staging set is one pinned
 allocation laid out the same way, so one `load` can copy several arrays at once. On a GPU each
 copy costs the host ~10-20 µs (torch's dispatch and `cudaMemcpyAsync`) and a step loads up to
-nine arrays, so arrays that lie close together go in one copy: a decode step of a full batch
-is four copies instead of nine (five for smaller batches), a full prefill step one or two.
+eleven arrays, so arrays that lie close together go in one copy: a decode step of a full batch
+is four copies (five for smaller batches), a full prefill step one or two.
 """
 
 from __future__ import annotations
