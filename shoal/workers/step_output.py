@@ -39,18 +39,18 @@ class SampledStep:
             self.copied.record()
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        sampled: dict[str, list[int]] = {}
+        sampled_token_ids: list[list[int]] = [[] for _ in self.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if self.sampled is not None:
             if self.copied is not None:
                 self.copied.synchronize()
             token_ids = self.host_token_ids if self.host_token_ids is not None else self.sampled.sampled_token_ids
-            sampled = {s.req_id: [t] for s, t in zip(self.states, token_ids.tolist())}
+            sampled_token_ids = self._per_request(token_ids.tolist())
             if self.sampled.logprobs is not None:
                 logprobs = _split_logprobs(self.states, self.sampled)
         return ModelRunnerOutput(
             req_ids=self.req_ids,
-            sampled_token_ids=[sampled.get(r, []) for r in self.req_ids],
+            sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs={
                 req_id: LogprobsLists(*(t.tolist() for t in tensors))
@@ -58,6 +58,15 @@ class SampledStep:
             },
             step_id=self.step_id,
         )
+
+
+    def _per_request(self, tokens: list[int]) -> list[list[int]]:
+        """The sampled tokens by request, in batch order: one for each request that sampled
+        (`states`, a subsequence of `req_ids`), none for the others."""
+        if len(self.states) == len(self.req_ids):  # every request sampled (a decode step)
+            return [[t] for t in tokens]
+        by_request = {s.req_id: [t] for s, t in zip(self.states, tokens, strict=True)}
+        return [by_request.get(r, []) for r in self.req_ids]
 
 
 class FinishedStep:
