@@ -59,7 +59,6 @@ class SampledStep:
             step_id=self.step_id,
         )
 
-
     def _per_request(self, tokens: list[int]) -> list[list[int]]:
         """The sampled tokens by request, in batch order: one for each request that sampled
         (`states`, a subsequence of `req_ids`), none for the others."""
