@@ -97,19 +97,16 @@ class KVCacheManager:
             blocks = self.req_to_blocks[request.request_id] = []
         is_admission = not blocks
         num_new_blocks = -(-num_tokens_after // self.block_size) - len(blocks) - len(new_computed_blocks)
-        if num_new_blocks <= 0 and not new_computed_blocks:
-            new_blocks = []
-        else:
-            # Cached blocks that are free now stop being free once this request takes them.
-            num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
-                if is_admission:
-                    del self.req_to_blocks[request.request_id]
-                return None
-            self.block_pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-            blocks.extend(new_blocks)
+        # Cached blocks that are free now stop being free once this request takes them.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            if is_admission:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
         if is_admission and self._uses_prefix_cache(request):
             # Counted once the request gets in, not on every lookup while it waits for blocks.
             self.prefix_cache_stats.queries += request.num_tokens
