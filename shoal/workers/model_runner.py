@@ -293,7 +293,7 @@ class ModelRunner:
             attn_metadata=attn_metadata,
             sampling_req_ids=req_ids if all_sample else [r for r, s in zip(req_ids, samples.tolist()) if s],
             sampling_slots=sampling_slots,
-            sampling_metadata=self._plain_sampling_metadata(sampling_slots, views),
+            sampling_metadata=self._plain_sampling_metadata(arrays, views),
             logits_indices=query_start_loc[1:][samples] - 1,
             prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
         )
@@ -309,14 +309,15 @@ class ModelRunner:
             "sampling_greedy": batch.greedy[sampling_slots],
         }
 
+    @staticmethod
     def _plain_sampling_metadata(
-        self, sampling_slots: np.ndarray, views: dict[str, torch.Tensor]
+        arrays: dict[str, np.ndarray], views: dict[str, torch.Tensor]
     ) -> SamplingMetadata | None:
-        """A plain batch's sampling metadata over the device rows loaded with its inputs; None
-        when the batch needs the general build (`build_sampling_metadata`)."""
-        if "sampling_temperature" not in views:
+        """A plain batch's sampling metadata over the device rows its host `arrays` were loaded
+        into; None when the batch needs the general build (`build_sampling_metadata`)."""
+        if "sampling_greedy" not in arrays:
             return None
-        greedy = self.input_batch.greedy[sampling_slots]
+        greedy = arrays["sampling_greedy"]
         return temperatures_only(
             views["sampling_temperature"], views["sampling_greedy"], bool(greedy.all()), bool(greedy.any())
         )
@@ -350,7 +351,7 @@ class ModelRunner:
         index = np.flatnonzero(positions >= self.input_batch.num_tokens[token_slots])
         if len(index) == 0:
             return {}
-        rows = self.prev_sampled_rows[token_slots[index]] if self.prev_sampled is not None else np.full(len(index), -1)
+        rows = self.prev_sampled_rows[token_slots[index]]  # all -1 while there are no samples
         if (rows < 0).any():
             raise RuntimeError("a step's input token was never sampled: the engine scheduled ahead of two steps")
         return {"pending_token_index": index, "pending_token_rows": rows}
