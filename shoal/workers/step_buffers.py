@@ -81,7 +81,7 @@ class StepBuffers:
 
         A copy that joins two arrays also copies the bytes between them (rows of a buffer past
         what this call loads), which take whatever this staging set held: readers see only the
-        rows each step loads (the CUDA-graph padding is written on the device after the load)."""
+        rows each step loads (a CUDA-graph replay's padding rows are loaded with the step's own)."""
         staging = self.staging[self.current]
         views = {}
         spans = []
