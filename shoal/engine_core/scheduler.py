@@ -74,6 +74,10 @@ class Scheduler:
         # several in flight).
         self._scheduled: dict[int, ScheduledStep] = {}
         self.num_preemptions = 0
+        # The version of the weights that steps scheduled from now on run with: "0" at start,
+        # advanced by every weight update (see `advance_weight_version`).
+        self.weight_version = "0"
+        self._num_weight_updates = 0
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -380,3 +384,10 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    def advance_weight_version(self, name: str | None = None) -> str:
+        """New weights are in: later steps run with version `name`, or by default with the
+        number of updates so far ("1", "2", ...). Returns the new version."""
+        self._num_weight_updates += 1
+        self.weight_version = str(self._num_weight_updates) if name is None else name
+        return self.weight_version

@@ -843,3 +843,12 @@ def test_randomized_soak_leaks_nothing(seed: int, steps_in_flight: int, async_sc
         else:
             assert received[req_id] == want, req_id
             assert finish_reasons[req_id] == "length"
+
+
+def test_weight_version_advances_by_count_or_by_name() -> None:
+    scheduler = make_scheduler()
+    assert scheduler.weight_version == "0"
+    assert scheduler.advance_weight_version() == "1"
+    assert scheduler.advance_weight_version("step-7") == "step-7"
+    assert scheduler.weight_version == "step-7"
+    assert scheduler.advance_weight_version() == "3"
