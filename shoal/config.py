@@ -80,6 +80,10 @@ class ParallelConfig:
     ray_address: str | None = None
     # Seconds to wait for the placement group before failing with the missing resources.
     placement_group_timeout_s: float = 120.0
+    # Ray workers that die are re-created, at most this many times within any window of
+    # `worker_restart_window_s` seconds; one more death shuts the engine down (0: never restart).
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 3600.0
 
     @property
     def world_size(self) -> int:
@@ -129,6 +133,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: tuple[int, ...] | None = None
     ray_address: str | None = None
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 3600.0
     # None: on for one GPU worker, off otherwise.
     async_scheduling: bool | None = None
 
@@ -221,6 +227,8 @@ class EngineArgs:
         _require(
             pp <= model_config.num_layers, f"pipeline_parallel_size={pp} exceeds the {model_config.num_layers} layers"
         )
+        _require(self.max_worker_restarts >= 0, "max_worker_restarts must be >= 0")
+        _require(self.worker_restart_window_s > 0, "worker_restart_window_s must be > 0")
         partition = self.pipeline_layer_partition
         if partition is not None:
             partition = tuple(int(n) for n in partition)
@@ -233,6 +241,8 @@ class EngineArgs:
             distributed_executor_backend=backend,
             pipeline_layer_partition=partition,
             ray_address=self.ray_address,
+            max_worker_restarts=self.max_worker_restarts,
+            worker_restart_window_s=self.worker_restart_window_s,
         )
 
     @classmethod

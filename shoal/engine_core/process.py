@@ -105,7 +105,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except SystemExit:
         pass
     except BaseException as exc:
-        logger.error("engine core failed:\n%s", traceback.format_exc())
+        if isinstance(exc, EngineDeadError):  # workers died past what may be restarted: no bug
+            logger.error("engine core stopped: %s", exc)
+        else:
+            logger.error("engine core failed:\n%s", traceback.format_exc())
         message = f"{type(exc).__name__}: {exc}"
         if proc is not None:
             proc.send_dead(message)

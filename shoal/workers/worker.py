@@ -2,7 +2,8 @@
 
 The same class runs in the engine-core process (`UniProcExecutor`) and inside a Ray actor
 (`RayExecutor`), one per GPU or CPU bundle. Start-up: `init_device`, then (several workers only)
-`init_distributed`, then `load_model`.
+`init_distributed`, then `load_model`. After a peer's death the survivors `leave_distributed`
+and join the new world with the peer's replacement (see docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ class Worker:
 
     def load_model(self) -> None:
         self.runner.load_model()
+
+    def leave_distributed(self) -> None:
+        """A peer died and is being re-created: forget every request, the KV cache and the CUDA
+        graphs (a fresh `ModelRunner` over the same model), and leave the groups, whose
+        communicators include the dead peer. The weights stay; `init_distributed` and
+        `initialize_kv_cache` follow, at the same time as on the new peer."""
+        model = self.runner.model
+        if model is not None:
+            for layer in model.attention_layers():  # type: ignore[operator]
+                layer.kv_cache = None  # the old cache goes before the new one is allocated
+        # The old runner, and with it its CUDA graphs, goes before the communicators whose calls
+        # the graphs captured (NCCL waits for such graphs to be destroyed).
+        self.model_runner = None
+        parallel_state.destroy_model_parallel()
+        self.model_runner = ModelRunner(self.config, self.device)
+        self.model_runner.model = model
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit in this worker's budget (CPU: a fixed byte budget; GPU:
