@@ -157,7 +157,7 @@ class EngineCore:
         not restart (see `_refuse_restart`)."""
         self._refuse_restart(error)
         logger.warning(
-            "%s: restarting worker rank(s) %s (restart %d of at most %d within %g s)",
+            "%s; restarting worker rank(s) %s (restart %d of at most %d within %g s)",
             error,
             list(error.ranks),
             self.restart_budget.num_recent,

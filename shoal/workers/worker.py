@@ -70,7 +70,7 @@ class Worker:
         `initialize_kv_cache` follow, at the same time as on the new peer."""
         model = self.runner.model
         if model is not None:
-            for layer in model.attention_layers():  # type: ignore[operator]
+            for layer in model.attention_layers():
                 layer.kv_cache = None  # the old cache goes before the new one is allocated
         # The old runner, and with it its CUDA graphs, goes before the communicators whose calls
         # the graphs captured (NCCL waits for such graphs to be destroyed).
