@@ -22,6 +22,7 @@ Workers are named actors (`shoal-worker-<engine id>-<rank>-<incarnation>` in the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -64,6 +65,9 @@ class RayExecutor(Executor):
         self._dead: str | None = None
         self.engine_id = uuid.uuid4().hex[:12]
         self._incarnations = [0] * parallel.world_size  # how many times each rank was started
+        # The calls of a step that failed: read once the survivors are drained, so that Ray does
+        # not report their errors as unhandled.
+        self._failed_step_refs: list[Any] = []
         num_cpus = max(os.cpu_count() or 1, parallel.world_size) if self.device == "cpu" else None
         ray_utils.connect_to_ray(parallel.ray_address, num_cpus)
         self.placement_group, bundle_indices, self._owns_placement_group = ray_utils.reserve_placement_group(
@@ -230,6 +234,7 @@ class RayExecutor(Executor):
         survivors = [rank for rank in range(len(self.workers)) if rank not in replaced]
         for rank in replaced:
             ray.kill(self.workers[rank])  # dead already, or stuck in a collective with the dead
+        self._read_failed_step()
         self._call(survivors, "leave_distributed")
         for rank in replaced:
             self._incarnations[rank] += 1
@@ -258,6 +263,14 @@ class RayExecutor(Executor):
                 stuck.append(rank)
         return stuck
 
+    def _read_failed_step(self) -> None:
+        """Read the failed step's results that are in (its errors are known and expected)."""
+        refs, self._failed_step_refs = self._failed_step_refs, []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        for ref in ready:
+            with contextlib.suppress(RayActorError, RayTaskError):
+                ray.get(ref)
+
     def _call(self, ranks: list[int], method: str, timeout: float | None = None) -> list[Any]:
         """`method` on the workers of `ranks` only (a restart's steps)."""
         refs = [self.workers[rank].execute_method.remote(method, (), {}) for rank in ranks]
@@ -269,6 +282,7 @@ class RayExecutor(Executor):
             self._dead = "the executor is shut down"
         if not ray.is_initialized():
             return
+        self._read_failed_step()
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
@@ -288,9 +302,11 @@ class RayStepFuture:
         try:
             outputs = self.executor._gather(self.refs, timeout, "a step")
         except _WorkerLost as lost:
+            self.executor._failed_step_refs = self.refs
             raise self.executor._step_failed(lost.error) from lost.error
         except RayTaskError as exc:
             # A worker raised: a peer died under it (the collective failed), or a bug.
+            self.executor._failed_step_refs = self.refs
             raise self.executor._step_failed(exc) from exc
         return msgspec.msgpack.decode(outputs[self.executor.sampling_rank], type=ModelRunnerOutput)
 
