@@ -294,9 +294,21 @@ def _load_hf_config(model: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"cannot read the config of model {model!r}: {exc}") from exc
+        raise ValueError(f"cannot read the config of model {model!r}: {explain_remote_code(exc)}") from exc
+
+
+def explain_remote_code(exc: BaseException) -> str:
+    """The reason a transformers load failed, in shoal's words when the folder asked to run code
+    of its own (transformers' own message suggests trust_remote_code=True, which shoal has not)."""
+    if "trust_remote_code" not in str(exc):
+        return str(exc)
+    return (
+        "it asks to run Python code of its own (auto_map in its config.json or tokenizer_config.json), "
+        "and shoal never runs code from a model folder (every transformers load passes "
+        "trust_remote_code=False); use a model whose architecture transformers and shoal support"
+    )
 
 
 def _architecture(hf_config: Any) -> str:
