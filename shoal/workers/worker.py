@@ -19,6 +19,7 @@ from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.engine_core.batch import SchedulerOutput
+from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
 
@@ -44,8 +45,9 @@ class Worker:
             # Ray (or the user) already chose the visible GPUs; never reassign them here.
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-        elif envs.SHOAL_CPU_THREADS > 0:
-            torch.set_num_threads(envs.SHOAL_CPU_THREADS)
+        else:
+            torch.set_num_threads(envs.SHOAL_CPU_THREADS or default_cpu_threads())
+            logger.info("CPU worker: %d torch threads", torch.get_num_threads())
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
 
