@@ -52,6 +52,7 @@ def measure(engines: dict[int, LLM], rounds: int) -> dict[str, list[float]]:
                 for num_threads, llm in engines.items():
                     case = f"{num_threads} threads, {'busy' if busy else 'idle'} neighbour"
                     times.setdefault(case, []).append(time_request(llm))
+                    print(f"{case}: {times[case][-1]:.2f} s", flush=True)
             finally:
                 if neighbour is not None:
                     neighbour.kill()

@@ -190,18 +190,7 @@ class RayExecutor(Executor):
     def _unresponsive_ranks(self, timeout: float = HEALTH_CHECK_TIMEOUT_S) -> list[int]:
         """The ranks whose actor is dead or does not answer a ping within `timeout` (pings are
         answered on a thread of their own, even in the middle of a step)."""
-        refs = [w.ping.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        answered = set(ready)
-        dead = []
-        for rank, ref in enumerate(refs):
-            try:
-                if ref not in answered:
-                    raise TimeoutError
-                ray.get(ref)
-            except (RayActorError, TimeoutError):
-                dead.append(rank)
-        return dead
+        return _unanswered([w.ping.remote() for w in self.workers], list(range(len(self.workers))), timeout)
 
     def _mark_dead(self, reason: str) -> EngineDeadError:
         """Remember why the engine cannot run any more; every later call fails with it."""
@@ -251,17 +240,7 @@ class RayExecutor(Executor):
         """Those of `ranks` that do not finish the calls queued on them within DRAIN_TIMEOUT_S
         (or died meanwhile): a call queued behind them answers when they are done."""
         refs = [self.workers[rank].execute_method.remote("check_health", (), {}) for rank in ranks]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DRAIN_TIMEOUT_S)
-        answered = set(ready)
-        stuck = []
-        for rank, ref in zip(ranks, refs):
-            try:
-                if ref not in answered:
-                    raise TimeoutError
-                ray.get(ref)
-            except (RayActorError, TimeoutError):
-                stuck.append(rank)
-        return stuck
+        return _unanswered(refs, ranks, DRAIN_TIMEOUT_S)
 
     def _read_failed_step(self) -> None:
         """Read the failed step's results that are in (its errors are known and expected)."""
@@ -318,6 +297,23 @@ class _WorkerLost(Exception):
         super().__init__(rank, error)
         self.rank = rank
         self.error = error
+
+
+def _unanswered(refs: list[Any], ranks: list[int], timeout: float) -> list[int]:
+    """Those of `ranks` (one call each, in `refs`) whose call did not answer within `timeout`
+    or whose actor died."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    answered = set(ready)
+    return [rank for rank, ref in zip(ranks, refs) if ref not in answered or _actor_died(ref)]
+
+
+def _actor_died(ref: Any) -> bool:
+    """Whether the (finished) call `ref` failed because its actor died."""
+    try:
+        ray.get(ref)
+    except RayActorError:
+        return True
+    return False
 
 
 def _ranks_text(ranks: list[int]) -> str:
