@@ -1,14 +1,22 @@
 """What the engine core does when workers die: the scheduler requeues every running request
-for recompute (their tokens kept, the lost steps forgotten, nothing leaked), and the restart
-budget allows `max_worker_restarts` restarts within any window."""
+for recompute (their tokens kept, the lost steps forgotten, nothing leaked), the restart budget
+allows `max_worker_restarts` restarts within any window, and `EngineCore` (over a stand-in
+executor) restarts, or shuts down and raises `EngineDeadError` past the budget or after an
+in-place weight update."""
 
 from __future__ import annotations
 
 import pytest
 
+from shoal.config import EngineArgs
 from shoal.engine_core.batch import ModelRunnerOutput
+from shoal.engine_core.engine_core import EngineCore
 from shoal.engine_core.request import RequestStatus
 from shoal.engine_core.worker_restarts import RestartBudget
+from shoal.errors import EngineDeadError, WorkerDiedError
+from shoal.executors.abstract import Executor
+from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
+from shoal.sampling_params import SamplingParams
 from tests.engine_core.test_scheduler import add, assert_all_free, make_request, make_scheduler, run_to_end, step
 
 
@@ -98,3 +106,98 @@ def test_restart_arguments_are_validated(tiny_checkpoints: dict, field: str, val
 
     with pytest.raises(ValueError, match=field):
         EngineArgs(model=str(tiny_checkpoints["llama"]), device="cpu", **{field: value}).create_engine_config()
+
+
+# ---- EngineCore over an executor whose workers die on demand -------------------------------
+
+
+class FlakyExecutor(Executor):
+    """A stand-in executor: every scheduled request samples token 7, except that the step after
+    `kill()` fails as a Ray worker's death does."""
+
+    def _init_workers(self) -> None:
+        self.dying = False
+        self.restarts: list[tuple[list[int], int]] = []
+        self.is_shut_down = False
+
+    def kill(self) -> None:
+        self.dying = True
+
+    def initialize_kv_cache(self) -> int:
+        return 64
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        return []
+
+    def execute_model(self, scheduler_output, non_block=False):
+        if self.dying:
+            self.dying = False
+            raise WorkerDiedError([1], "worker rank 1 died during a step")
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[7] for _ in req_ids])
+
+    def check_health(self) -> None:
+        if self.dying:
+            self.dying = False
+            raise WorkerDiedError([0], "worker rank 0 found dead by a health check")
+
+    def restart_workers(self, ranks: list[int], num_kv_blocks: int) -> None:
+        self.restarts.append((ranks, num_kv_blocks))
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+
+@pytest.fixture
+def engine(tiny_checkpoints: dict) -> EngineCore:
+    args = EngineArgs(model=str(tiny_checkpoints["llama"]), device="cpu", max_worker_restarts=1)
+    config = args.create_engine_config()
+    return EngineCore(config, executor=FlakyExecutor(config))
+
+
+def _add(engine: EngineCore, request_id: str, max_tokens: int = 4) -> None:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(EngineCoreRequest(request_id, [11, 12, 13, 14, 15], params, None, 0.0, max_tokens))
+
+
+def _tokens(outputs: EngineCoreOutputs) -> dict[str, list[int]]:
+    return {o.request_id: o.new_token_ids for o in outputs.outputs}
+
+
+def test_engine_core_restarts_then_shuts_down_past_the_budget(engine: EngineCore) -> None:
+    executor = engine.executor
+    assert isinstance(executor, FlakyExecutor)
+    _add(engine, "a")
+    sent = _tokens(engine.step())["a"]  # one token out
+    executor.kill()
+    assert _tokens(engine.step()) == {}  # the step was lost; nothing is sent twice
+    assert executor.restarts == [([1], 64)]
+    assert engine.get_stats()["num_worker_restarts"] == 1
+    while engine.has_unfinished_requests():
+        sent += _tokens(engine.step()).get("a", [])
+    assert sent == [7, 7, 7, 7] and engine.get_stats()["num_used_blocks"] == 0
+
+    _add(engine, "b")
+    executor.kill()
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 died.*max_worker_restarts=1"):
+        engine.step()
+    assert executor.is_shut_down and executor.restarts == [([1], 64)]
+
+
+def test_engine_core_restarts_a_worker_its_health_check_found_dead(engine: EngineCore) -> None:
+    executor = engine.executor
+    assert isinstance(executor, FlakyExecutor)
+    executor.kill()
+    engine.check_health()
+    assert executor.restarts == [([0], 64)]
+
+
+def test_engine_core_never_restarts_after_an_in_place_weight_update(engine: EngineCore) -> None:
+    executor = engine.executor
+    assert isinstance(executor, FlakyExecutor)
+    engine.scheduler.advance_weight_version()
+    _add(engine, "a")
+    executor.kill()
+    with pytest.raises(EngineDeadError, match="weights were updated in place"):
+        engine.step()
+    assert executor.restarts == [] and executor.is_shut_down
