@@ -217,8 +217,16 @@ class RayExecutor(Executor):
         """Re-create the workers of `ranks` in their bundles, and any survivor that cannot
         finish what it was doing (see DRAIN_TIMEOUT_S); the other survivors keep their weights
         and leave their groups. Then every rank joins a new world, the new workers load the
-        model, and every worker allocates its KV cache of `num_kv_blocks` blocks again."""
+        model, and every worker allocates its KV cache of `num_kv_blocks` blocks again. Any
+        failure on the way (a worker dying or raising, a bundle that cannot be placed again
+        within placement_group_timeout_s) is `EngineDeadError`."""
         self._check_alive()
+        try:
+            self._restart(ranks, num_kv_blocks)
+        except (TimeoutError, RayTaskError) as exc:
+            raise self._mark_dead(f"restarting worker ranks {ranks} failed: {_first_line(exc)}") from exc
+
+    def _restart(self, ranks: list[int], num_kv_blocks: int) -> None:
         replaced = sorted(set(ranks) | set(self._stuck_ranks([r for r in range(len(self.workers)) if r not in ranks])))
         survivors = [rank for rank in range(len(self.workers)) if rank not in replaced]
         for rank in replaced:
