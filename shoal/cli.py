@@ -47,6 +47,7 @@ _HELP = {
     "seed": "the engine's random seed",
     "device": "where the model runs",
     "enforce_eager": "never capture CUDA graphs",
+    "enable_sleep_mode": "GPU: weights and KV cache keep their addresses across sleep/wake_up (no CUDA-graph recapture)",
     "tensor_parallel_size": "GPUs (or CPU workers) each layer is split over",
     "pipeline_parallel_size": "pipeline stages, each a contiguous slice of layers",
     "distributed_executor_backend": "uni: one worker in the engine-core process; ray: Ray actors",

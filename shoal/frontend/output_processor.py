@@ -1,8 +1,9 @@
 """`OutputProcessor`: turns the engine core's token ids into `RequestOutput`s.
 
 It detokenizes incrementally, applies stop strings (a hit finishes the request here and asks
-the core to abort it), formats logprobs, and joins the `n` child requests of a prompt back
-into one `RequestOutput`.
+the core to abort it), formats logprobs, joins the `n` child requests of a prompt back into one
+`RequestOutput`, and says which weight version sampled which tokens (`weight_versions`: each
+completion remembers where a new version started; the spans are built only when an output is).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from shoal.engine_core.batch import LogprobsLists
 from shoal.frontend.detokenizer import IncrementalDetokenizer
-from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, WeightVersionSpan
 from shoal.protocol import EngineCoreOutput
 from shoal.sampling_params import SamplingParams
 
@@ -52,6 +53,8 @@ class ChildState:
     detokenizer: IncrementalDetokenizer
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    # (weight version, index of its first token in the completion), in order.
+    version_starts: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -71,6 +74,21 @@ def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is not None and index:
         changes["seed"] = (params.seed + index) % 2**63
     return params.clone(**changes)
+
+
+def weight_version_spans(starts: list[tuple[str, int]], first: int, end: int) -> list[WeightVersionSpan]:
+    """The spans of a completion's tokens first..end (exclusive) by the weight version that
+    sampled them, as indices from `first`; `starts` holds (version, index of its first token)
+    in order."""
+    if len(starts) == 1 and starts[0][1] <= first:  # the usual case: one version throughout
+        return [WeightVersionSpan(starts[0][0], 0, end - first)] if end > first else []
+    spans = []
+    for i, (version, start) in enumerate(starts):
+        stop = starts[i + 1][1] if i + 1 < len(starts) else end
+        lo, hi = max(start, first), min(stop, end)
+        if lo < hi:
+            spans.append(WeightVersionSpan(version, lo - first, hi - first))
+    return spans
 
 
 class OutputProcessor:
@@ -124,14 +142,15 @@ class OutputProcessor:
             self.children.pop(child_id, None)
         return [c for i, c in enumerate(parent.child_ids) if parent.completions[i].finish_reason is None]
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(self, outputs: list[EngineCoreOutput], weight_version: str | None = None) -> ProcessedOutputs:
+        """Apply one step's outputs; `weight_version` is the version that step ran with."""
         request_outputs = []
         reqs_to_abort = []
         for output in outputs:
             child = self.children.get(output.request_id)
             if child is None:
                 continue  # aborted by the user while the step ran
-            stopped_by_string = self._update_child(child, output)
+            stopped_by_string = self._update_child(child, output, weight_version)
             if stopped_by_string and not output.finished:
                 reqs_to_abort.append(output.request_id)
             request_output = self._make_request_output(child)
@@ -139,10 +158,13 @@ class OutputProcessor:
                 request_outputs.append(request_output)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 
-    def _update_child(self, child: ChildState, output: EngineCoreOutput) -> bool:
+    def _update_child(self, child: ChildState, output: EngineCoreOutput, weight_version: str | None) -> bool:
         """Apply one engine output to a completion; True when a stop string ended it."""
         parent = child.parent
         completion = parent.completions[child.index]
+        starts = child.version_starts
+        if output.new_token_ids and weight_version is not None and (not starts or starts[-1][0] != weight_version):
+            starts.append((weight_version, len(completion.token_ids)))
         completion.token_ids.extend(output.new_token_ids)
         parent.num_cached_tokens = output.num_cached_tokens
         if output.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
@@ -161,6 +183,7 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", stop_string
         if finish_reason is not None:
             completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+            completion.weight_versions = weight_version_spans(starts, 0, len(completion.token_ids))
             parent.num_finished += 1
             self.children.pop(output.request_id, None)
             if parent.finished:
@@ -176,7 +199,9 @@ class OutputProcessor:
         elif parent.output_kind == OutputKind.DELTA:
             completions = [self._delta(child)]
         else:
-            completions = [parent.completions[child.index]]
+            completion = parent.completions[child.index]
+            completion.weight_versions = weight_version_spans(child.version_starts, 0, len(completion.token_ids))
+            completions = [completion]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -199,6 +224,7 @@ class OutputProcessor:
             logprobs=full.logprobs[child.num_sent_logprobs :] if full.logprobs is not None else None,
             finish_reason=full.finish_reason,
             stop_reason=full.stop_reason,
+            weight_versions=weight_version_spans(child.version_starts, child.num_sent_tokens, len(full.token_ids)),
         )
         child.num_sent_tokens = len(full.token_ids)
         child.num_sent_logprobs = len(full.logprobs or ())

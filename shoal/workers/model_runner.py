@@ -135,6 +135,11 @@ class ModelRunner:
         )
         self.cuda_graphs.capture()
 
+    def drop_cuda_graphs(self) -> None:
+        """Forget the decode graphs (the tensors whose addresses they hold are about to move);
+        `capture_cuda_graphs` makes new ones."""
+        self.cuda_graphs = None
+
     @torch.inference_mode()
     def warm_up_logits(self) -> None:
         """Run the LM head once at every row count `_logits` pads to (GPU, last stage), so that
