@@ -31,10 +31,10 @@ from shoal.config import EngineConfig
 from shoal.engine_core.engine_core import EngineCore
 from shoal.errors import EngineDeadError
 from shoal.protocol import (
+    SETTLING_METHODS,
     EngineCoreRequest,
     EngineDead,
     EngineReady,
-    SETTLING_METHODS,
     MessageType,
     UtilityOutput,
     UtilityRequest,
