@@ -24,6 +24,7 @@ shoal/workers/sleep.py).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 # The allocator's entry points in the library, as torch's pluggable allocator looks them up.
 MALLOC_SYMBOL, FREE_SYMBOL = "shoal_sleep_malloc", "shoal_sleep_free"
+# The library's registry is one per process: every pool's tags get ids of their own, so that
+# two engines in one process never release each other's memory. 0 marks allocations made
+# outside `allocating`.
+_TAG_IDS = itertools.count(1)
 
 
 def available() -> bool:
@@ -50,8 +55,7 @@ class SleepMemoryPool:
             raise RuntimeError("the sleep-memory allocator needs a GPU and shoal's CUDA ops (make kernels)")
         allocator = torch.cuda.memory.CUDAPluggableAllocator(str(_C.library_path()), MALLOC_SYMBOL, FREE_SYMBOL)
         self._allocator = allocator  # the pools refer to it: keep it alive as long as they live
-        # Tag ids start at 1: 0 marks allocations made outside `allocating`.
-        self._ids = {tag: i + 1 for i, tag in enumerate(tags)}
+        self._ids = {tag: next(_TAG_IDS) for tag in tags}
         self._pools = {tag: torch.cuda.MemPool(allocator.allocator()) for tag in tags}
 
     @contextlib.contextmanager
