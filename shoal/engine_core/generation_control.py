@@ -76,8 +76,8 @@ class GenerationControl:
         finds a "wait" pause settled resets the prefix cache if the pause asked for it."""
         if self.scheduler.pause_mode is None:
             return True
-        if self.scheduler.has_work():
-            return False
+        if self.scheduler.pause_mode == "wait" and self.scheduler.has_started_requests():
+            return False  # (also while asleep: they finish after the wake-up)
         self._land_steps_in_flight()  # only steps of requests aborted meanwhile can remain
         if self._clear_cache_when_drained:
             self._clear_cache_when_drained = False

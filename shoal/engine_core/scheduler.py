@@ -131,8 +131,11 @@ class Scheduler:
         at the front of the queue); nothing while held."""
         if self.admission is Admission.OPEN:
             return bool(self.requests)
-        if self.admission is Admission.HOLD:
-            return False
+        return self.admission is Admission.DRAIN and self.has_started_requests()
+
+    def has_started_requests(self) -> bool:
+        """Whether a request that has started generating is unfinished: running, or preempted
+        (preempted requests wait at the front of the queue)."""
         return bool(self.running) or bool(self.waiting and self.waiting[0].status == RequestStatus.PREEMPTED)
 
     def has_schedulable_requests(self) -> bool:

@@ -117,8 +117,8 @@ class InprocClient(EngineCoreClient):
         result = getattr(self.core, method)(*args)
         if method in SETTLING_METHODS:
             # A "wait" pause returns once its requests have finished: step them here, keeping
-            # their outputs for get_output.
-            while not self.core.settle_pause():
+            # their outputs for get_output (asleep, nothing could run: return at once).
+            while not self.core.settle_pause() and self.core.has_work():
                 self.core.side_outputs.append(self.core.step())
         return result
 
