@@ -166,3 +166,14 @@ def test_preempting_requests_in_flight_is_refused() -> None:
     scheduler.schedule()
     with pytest.raises(RuntimeError, match="in flight"):
         scheduler.preempt_all_running()
+
+
+def test_a_sleep_during_a_wait_pause_keeps_the_started_requests_for_after_the_wake_up() -> None:
+    scheduler = started_scheduler()
+    scheduler.pause("wait")
+    scheduler.sleep(discard_weights=False)
+    assert not scheduler.has_work() and scheduler.has_started_requests()  # the pause is not settled
+    scheduler.wake_up()
+    assert scheduler.admission is Admission.DRAIN
+    sched_out, _ = step(scheduler)
+    assert set(sched_out.num_scheduled_tokens) == {"a", "b"}  # recomputed; "c" still waits
