@@ -447,10 +447,6 @@ class Scheduler:
             self._update_admission()
         return self.weight_version
 
-    @property
-    def num_weight_updates(self) -> int:
-        return self._num_weight_updates
-
     # ---- pause and sleep ----------------------------------------------------------------------
     # The engine core lands every step still in flight before it calls these (except a "wait"
     # pause, whose requests go on running), so no request is in flight here.
