@@ -231,3 +231,27 @@ def test_final_outputs_carry_the_spans_of_the_whole_completion(llama: str) -> No
         engine.shutdown()
     for completion in output.outputs:
         assert completion.weight_versions == [WeightVersionSpan("step-3", 0, len(completion.token_ids))]
+
+
+def test_steps_in_flight_land_before_a_pause_takes_effect(llama: str, expected: list) -> None:
+    """The engine core itself, with async scheduling: a step is in flight when the pause comes;
+    it lands (its tokens become outputs for the frontend) and nothing is in flight after."""
+    from shoal.protocol import EngineCoreRequest
+
+    with LLM(llama, multiprocess=False, async_scheduling=True, **ENGINE_ARGS) as llm:
+        core = llm.engine_core.core
+        core.add_request(EngineCoreRequest("r", PROMPTS[0], GREEDY, None, 0.0, NUM_TOKENS))
+        tokens: list[int] = []
+        for _ in range(4):
+            tokens += [t for o in core.step().outputs for t in o.new_token_ids]
+        assert core.batch_queue and tokens  # a step in flight, some tokens out
+        core.pause_generation("keep", clear_cache=False)
+        assert not core.batch_queue and core.scheduler.requests["r"].num_steps_in_flight == 0
+        landed = [t for outputs in core.side_outputs for o in outputs.outputs for t in o.new_token_ids]
+        assert landed and core.settle_pause()
+        assert core.step().outputs == []  # paused: nothing runs
+        core.resume_generation()
+        tokens += landed
+        while core.has_work():
+            tokens += [t for o in core.step().outputs for t in o.new_token_ids]
+        assert tokens == expected[0]
