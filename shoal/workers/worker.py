@@ -149,6 +149,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone
         if self.config.parallel_config.world_size > 1:
             parallel_state.destroy_model_parallel()
 
