@@ -36,7 +36,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # Which weight version sampled which of `token_ids`: spans covering them in order (one span
     # unless the weights changed while the request ran).
-    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
 
     def finished(self) -> bool:
         return self.finish_reason is not None

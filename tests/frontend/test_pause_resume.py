@@ -230,7 +230,7 @@ def test_final_outputs_carry_the_spans_of_the_whole_completion(llama: str) -> No
     finally:
         engine.shutdown()
     for completion in output.outputs:
-        assert completion.weight_versions == [WeightVersionSpan("step-3", 0, len(completion.token_ids))]
+        assert completion.weight_versions == (WeightVersionSpan("step-3", 0, len(completion.token_ids)),)
 
 
 def test_steps_in_flight_land_before_a_pause_takes_effect(llama: str, expected: list) -> None:
@@ -255,3 +255,25 @@ def test_steps_in_flight_land_before_a_pause_takes_effect(llama: str, expected: 
         while core.has_work():
             tokens += [t for o in core.step().outputs for t in o.new_token_ids]
         assert tokens == expected[0]
+
+
+def test_weight_version_spans_of_any_stretch_of_a_completion() -> None:
+    from shoal.frontend.output_processor import WeightVersions
+
+    versions = WeightVersions()
+    versions.start("0", 0)
+    assert versions.spans(0, 4) == (WeightVersionSpan("0", 0, 4),)
+    assert versions.spans(3, 4) == (WeightVersionSpan("0", 0, 1),) and versions.spans(4, 4) == ()
+    versions.start("a", 4)
+    versions.start("b", 6)
+    assert versions.spans(0, 9) == (
+        WeightVersionSpan("0", 0, 4),
+        WeightVersionSpan("a", 4, 6),
+        WeightVersionSpan("b", 6, 9),
+    )
+    assert versions.spans(3, 7) == (
+        WeightVersionSpan("0", 0, 1),
+        WeightVersionSpan("a", 1, 3),
+        WeightVersionSpan("b", 3, 4),
+    )
+    assert versions.spans(8, 9) == (WeightVersionSpan("b", 0, 1),)  # no stale single-version cache
