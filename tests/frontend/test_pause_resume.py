@@ -17,7 +17,7 @@ from shoal.config import EngineArgs
 from shoal.frontend.async_llm import AsyncLLM
 from shoal.outputs import RequestOutput, WeightVersionSpan
 
-NUM_TOKENS = 48
+NUM_TOKENS = 96  # long enough that a pause always finds them running, even on a loaded machine
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 7, 8], list(range(30, 52))]
 ENGINE_ARGS = dict(max_num_seqs=8, max_model_len=256)
