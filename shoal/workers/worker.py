@@ -56,7 +56,11 @@ class Worker:
         parallel = self.config.parallel_config
         parallel_state.init_distributed_environment(parallel.world_size, self.rank, init_method)
         parallel_state.initialize_model_parallel(
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.device, nccl_unique_ids
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self.device,
+            nccl_unique_ids,
+            enable_expert_parallel=parallel.enable_expert_parallel,
         )
 
     def load_model(self) -> None:
