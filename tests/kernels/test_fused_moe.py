@@ -70,11 +70,13 @@ def test_launch_tables(tmp_path, monkeypatch) -> None:
     (tmp_path / name).write_text(json.dumps({"1": launch.to_json(), "64": cfg.heuristic_launch(64, 16).to_json()}))
     monkeypatch.setattr(cfg, "CONFIG_DIR", tmp_path)
     cfg.launch_table.cache_clear()
+    cfg.moe_launch_for.cache_clear()
     try:
         assert cfg.moe_launch_for(16, 96, torch.float16, torch.device("cpu"), 3) == launch
         assert cfg.MoELaunch.from_json(json.loads(json.dumps(launch.to_json()))) == launch
     finally:
         cfg.launch_table.cache_clear()
+        cfg.moe_launch_for.cache_clear()
 
 
 @needs_triton
