@@ -80,18 +80,28 @@ def fused_moe(
     return kernel(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)  # type: ignore[return-value]
 
 
+_WARMED_UP: set[tuple] = set()
+
+
 def warm_up_fused_moe(
     w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int, expert_map: torch.Tensor | None = None
 ) -> list[int]:
     """On CUDA, run the registered kernel once per launch configuration that batches of up to
     `max_num_tokens` tokens can pick, so that every Triton variant a run launches is compiled
-    before the run; returns the batch sizes run (none without the kernel)."""
+    before the run; returns the batch sizes run (none without the kernel, or when a layer of
+    the same shape was warmed up already in this process)."""
     kernel = registered_kernel("fused_moe", w13)
     if kernel is None:
         return []
     from shoal.kernels.triton.fused_moe_config import device_name, dtype_name, launch_table, warm_up_token_counts
 
     num_experts, intermediate2, hidden = w13.shape
+    # Kernels compile per shape and dtype, not per layer: the model's other layers of this
+    # shape have nothing left to compile.
+    key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, w13.device, top_k, max_num_tokens, expert_map is not None)
+    if key in _WARMED_UP:
+        return []
+    _WARMED_UP.add(key)
     table = launch_table(num_experts, intermediate2 // 2, dtype_name(w13.dtype), device_name(w13.device))
     num_global_experts = num_experts if expert_map is None else expert_map.numel()
     counts = warm_up_token_counts(table, max_num_tokens)

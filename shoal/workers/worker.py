@@ -92,9 +92,10 @@ class Worker:
         return block_bytes * blocks_per_seq * self.config.scheduler_config.max_num_seqs
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode CUDA graphs (GPU) over it and meet the
-        LM head's row counts."""
+        """Allocate the KV cache, compile the model's own kernels (GPU), then capture the decode
+        CUDA graphs over it and meet the LM head's row counts."""
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_logits()
 

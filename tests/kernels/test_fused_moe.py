@@ -70,11 +70,13 @@ def test_launch_tables(tmp_path, monkeypatch) -> None:
     (tmp_path / name).write_text(json.dumps({"1": launch.to_json(), "64": cfg.heuristic_launch(64, 16).to_json()}))
     monkeypatch.setattr(cfg, "CONFIG_DIR", tmp_path)
     cfg.launch_table.cache_clear()
+    cfg.moe_launch_for.cache_clear()
     try:
         assert cfg.moe_launch_for(16, 96, torch.float16, torch.device("cpu"), 3) == launch
         assert cfg.MoELaunch.from_json(json.loads(json.dumps(launch.to_json()))) == launch
     finally:
         cfg.launch_table.cache_clear()
+        cfg.moe_launch_for.cache_clear()
 
 
 @needs_triton
@@ -166,8 +168,9 @@ def test_every_tuned_launch_runs_and_the_warm_up_covers_them() -> None:
         case = _gpu_case(count, 128, 8, 2048, 768, torch.bfloat16, seed=count)
         _assert_close_to_reference(triton_fused_moe(*case, launch=launch), *case)
     w13, w2 = _gpu_case(1, 128, 8, 2048, 768, torch.bfloat16)[1:3]
-    counts = warm_up_fused_moe(w13, w2, 8, 8192)
-    assert {cfg.nearest_launch(table, n) for n in counts} == {cfg.nearest_launch(table, n) for n in range(1, 8193)}
+    counts = warm_up_fused_moe(w13, w2, 8, 8191)
+    assert {cfg.nearest_launch(table, n) for n in counts} == {cfg.nearest_launch(table, n) for n in range(1, 8192)}
+    assert warm_up_fused_moe(w13.clone(), w2.clone(), 8, 8191) == []  # a second layer of the shape: compiled
 
 
 @pytest.mark.gpu

@@ -140,3 +140,17 @@ def test_dummy_weights_from_a_config_only(moe_checkpoints, tmp_path):
     assert any(isinstance(m, FusedMoE) for m in model.modules())
     logits = PagedRunner(model, [7]).step([[1, 2, 3, 4, 5, 6, 7]], [(0, 7)])[0]
     assert logits.shape == (7, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_expert_parallel_flag_applies_to_moe_architectures_only(moe_checkpoints, tiny_checkpoints, caplog):
+    from shoal.config import EngineArgs
+    from shoal.models.registry import is_moe_architecture
+
+    def parallel(path) -> bool:
+        args = EngineArgs(model=str(path), device="cpu", enable_expert_parallel=True)
+        return args.create_engine_config().parallel_config.enable_expert_parallel
+
+    assert parallel(moe_checkpoints["mixtral"]) is True
+    assert parallel(tiny_checkpoints["llama"]) is False
+    assert "enable_expert_parallel is ignored" in caplog.text
+    assert is_moe_architecture("Qwen3MoeForCausalLM") and not is_moe_architecture("Qwen3ForCausalLM")

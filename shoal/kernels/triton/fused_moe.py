@@ -117,12 +117,15 @@ def _moe_gemm_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """c[entry, n] = sum_k a[entry // A_ROWS_PER_ENTRY, k] * b[expert, n, k] (* weight[entry])
     for the entries of this program's row block; b is [num_experts, N, K] (K contiguous).
 
     A_ROWS_PER_ENTRY is top_k for gate_up (an entry reads its token's row of x) and 1 for down
-    (an entry reads its own row of the activations)."""
+    (an entry reads its own row of the activations). DOT_PRECISION is "ieee" for float32
+    (tl.dot would round it to tf32, and float32 runs are compared with transformers exactly),
+    "tf32" otherwise (ignored for half types)."""
     in_use, pid_n, entries, expert = _tile_rows(
         tl.program_id(0),
         sorted_token_ids_ptr,
@@ -149,7 +152,7 @@ def _moe_gemm_kernel(
         k_left = K - k * BLOCK_SIZE_K
         a = tl.load(a_ptrs, mask=is_entry[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
     _store_tile(acc, c_ptr, topk_weights_ptr, entries, is_entry, offs_n, N, stride_cm, stride_cn, MUL_ROUTED_WEIGHT)
@@ -182,6 +185,7 @@ def invoke_moe_gemm(
         BLOCK_SIZE_N=config.block_size_n,
         BLOCK_SIZE_K=config.block_size_k,
         GROUP_SIZE_M=config.group_size_m,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

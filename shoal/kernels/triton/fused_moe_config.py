@@ -79,6 +79,7 @@ class MoELaunch:
         )
 
 
+@functools.cache
 def device_name(device: torch.device) -> str:
     """The GPU's name as table files spell it ("NVIDIA H200" -> "NVIDIA_H200"); "cpu" on CPU."""
     if device.type != "cuda":
@@ -129,9 +130,11 @@ def nearest_launch(table: dict[int, MoELaunch], num_tokens: int) -> MoELaunch:
     return table[min(table, key=lambda count: (abs(count - num_tokens), count))]
 
 
+@functools.lru_cache(maxsize=4096)
 def moe_launch_for(
     num_experts: int, intermediate_size: int, dtype: torch.dtype, device: torch.device, num_tokens: int
 ) -> MoELaunch:
+    """The launch of a batch of `num_tokens` (memoized: eager steps look it up once per layer)."""
     table = launch_table(num_experts, intermediate_size, dtype_name(dtype), device_name(device))
     return nearest_launch(table, num_tokens)
 

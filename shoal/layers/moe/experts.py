@@ -269,7 +269,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"unknown stacked expert shard id {shard_id!r}")
 
     @torch.inference_mode()
-    def warm_up(self, max_num_tokens: int) -> None:
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
         """Compile the GPU kernels for every launch configuration a batch of up to
         `max_num_tokens` tokens can pick (see shoal/kernels/triton/fused_moe.py), so that no step
         of a run compiles one. Nothing on CPU."""
