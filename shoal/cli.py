@@ -55,6 +55,7 @@ _HELP = {
     "quantization": "weight quantization: none or fp8",
     "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
     "ray_address": "the Ray cluster to join; none: start or find a local one",
+    "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
     "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU)",
 }
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")

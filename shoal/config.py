@@ -83,6 +83,9 @@ class ParallelConfig:
     ray_address: str | None = None
     # Seconds to wait for the placement group before failing with the missing resources.
     placement_group_timeout_s: float = 120.0
+    # Mixture-of-experts layers: whole experts split across the tensor-parallel ranks instead of
+    # every expert's intermediate dimension (docs/moe.md). Set only for MoE architectures.
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -135,6 +138,8 @@ class EngineArgs:
     ray_address: str | None = None
     # None: on for one GPU worker, off otherwise.
     async_scheduling: bool | None = None
+    # MoE models: split whole experts across the tensor-parallel ranks (vLLM's flag).
+    enable_expert_parallel: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -238,7 +243,18 @@ class EngineArgs:
             distributed_executor_backend=backend,
             pipeline_layer_partition=partition,
             ray_address=self.ray_address,
+            enable_expert_parallel=self._expert_parallel(model_config),
         )
+
+    def _expert_parallel(self, model_config: ModelConfig) -> bool:
+        """Expert parallelism applies to mixture-of-experts architectures; asked of a dense
+        model it changes nothing, and the log says so."""
+        from shoal.models.registry import is_moe_architecture
+
+        if self.enable_expert_parallel and not is_moe_architecture(model_config.architecture):
+            logger.warning("enable_expert_parallel is ignored: %s has no experts", model_config.architecture)
+            return False
+        return self.enable_expert_parallel
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -60,7 +60,11 @@ class Worker:
         parallel = self.config.parallel_config
         parallel_state.init_distributed_environment(parallel.world_size, self.rank, init_method)
         parallel_state.initialize_model_parallel(
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.device, nccl_unique_ids
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self.device,
+            nccl_unique_ids,
+            enable_expert_parallel=parallel.enable_expert_parallel,
         )
 
     def load_model(self) -> None:
@@ -93,10 +97,11 @@ class Worker:
         return block_bytes * blocks_per_seq * self.config.scheduler_config.max_num_seqs
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode CUDA graphs (GPU) over it and meet the
-        LM head's row counts."""
+        """Allocate the KV cache, compile the model's own kernels (GPU), then capture the decode
+        CUDA graphs over it and meet the LM head's row counts."""
         with self.sleeper.allocating(KV_CACHE):
             self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_logits()
 
