@@ -37,6 +37,9 @@ class ModelConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
+    # On a GPU: weights and KV cache in memory pools that keep their addresses across
+    # sleep / wake_up, so the CUDA graphs need no recapture (see shoal/workers/sleep.py).
+    enable_sleep_mode: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -125,6 +128,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -214,6 +218,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
+            enable_sleep_mode=self.enable_sleep_mode,
             quantization=quantization,
         )
 

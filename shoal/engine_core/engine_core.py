@@ -1,7 +1,8 @@
 """`EngineCore`: the loop at the heart of shoal — schedule → execute → update.
 
 It owns the scheduler and the executor. This class is the in-process core; the engine-core
-process wraps it with socket threads (see `engine_core/process.py`).
+process wraps it with socket threads (see `engine_core/process.py`). Pause/resume and
+sleep/wake_up come from `GenerationControl` (engine_core/generation_control.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.engine_core.batch import SchedulerOutput
+from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
 from shoal.executors.abstract import Executor, StepFuture
@@ -37,7 +39,7 @@ class StepTimes:
         self.execute_s += execute_s
 
 
-class EngineCore:
+class EngineCore(GenerationControl):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         start = time.perf_counter()
@@ -52,6 +54,7 @@ class EngineCore:
             deque() if self.batch_queue_size > 1 else None
         )
         self.step_times = StepTimes()
+        self._init_generation_control()
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,

@@ -136,6 +136,11 @@ class ModelRunner:
         )
         self.cuda_graphs.capture()
 
+    def drop_cuda_graphs(self) -> None:
+        """Forget the decode graphs (the tensors whose addresses they hold are about to move);
+        `capture_cuda_graphs` makes new ones."""
+        self.cuda_graphs = None
+
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
         """Run every module's `warm_up_kernels(max_num_tokens)` hook (GPU): a mixture-of-experts

@@ -2,7 +2,8 @@
 
 The same class runs in the engine-core process (`UniProcExecutor`) and inside a Ray actor
 (`RayExecutor`), one per GPU or CPU bundle. Start-up: `init_device`, then (several workers only)
-`init_distributed`, then `load_model`.
+`init_distributed`, then `load_model`. `sleep` / `wake_up` free and restore the weights' and KV
+cache's memory (shoal/workers/sleep.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from shoal.distributed.communicator import NcclUniqueId
 from shoal.engine_core.batch import SchedulerOutput
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
+from shoal.workers.sleep import KV_CACHE, WEIGHTS, WorkerSleep
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class Worker:
         self.local_rank = local_rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        self.sleep_state: WorkerSleep | None = None
         self.profiler = StepProfiler(rank)
 
     # ---- start-up ------------------------------------------------------------------------
@@ -47,6 +50,7 @@ class Worker:
             torch.set_num_threads(envs.SHOAL_CPU_THREADS)
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+        self.sleep_state = WorkerSleep(self.model_runner, self.config.model_config.enable_sleep_mode)
 
     def init_distributed(
         self, init_method: str, nccl_unique_ids: dict[tuple[int, ...], NcclUniqueId] | None = None
@@ -64,7 +68,8 @@ class Worker:
         )
 
     def load_model(self) -> None:
-        self.runner.load_model()
+        with self.sleeper.allocating(WEIGHTS):
+            self.runner.load_model()
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit in this worker's budget (CPU: a fixed byte budget; GPU:
@@ -94,7 +99,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, compile the model's own kernels (GPU), then capture the decode
         CUDA graphs over it and meet the LM head's row counts."""
-        self.runner.initialize_kv_cache(num_blocks)
+        with self.sleeper.allocating(KV_CACHE):
+            self.runner.initialize_kv_cache(num_blocks)
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_logits()
@@ -118,6 +124,19 @@ class Worker:
     def check_health(self) -> bool:
         return True
 
+    def sleep(self, level: int = 1) -> int:
+        """Free the device memory of the weights (level 1: kept in pinned host memory; level 2:
+        discarded) and of the KV cache; returns the bytes freed."""
+        return self.sleeper.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore the parts `tags` names ("weights", "kv_cache") that are asleep."""
+        self.sleeper.wake_up(tags)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold on this worker's device now."""
+        return self.sleeper.resident_bytes()
+
     def start_profile(self, profile_dir: str) -> None:
         """torch.profiler on this worker's steps from now on (see shoal/workers/profiler.py)."""
         self.profiler.start(profile_dir)
@@ -135,8 +154,15 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone
         if self.config.parallel_config.world_size > 1:
             parallel_state.destroy_model_parallel()
+
+    @property
+    def sleeper(self) -> WorkerSleep:
+        if self.sleep_state is None:
+            raise RuntimeError("the worker's device is not initialized (call init_device first)")
+        return self.sleep_state
 
     @property
     def runner(self) -> ModelRunner:
