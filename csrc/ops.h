@@ -39,4 +39,11 @@ void cutlass_scaled_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b
 void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64_t block_size,
                           at::Tensor& sorted_token_ids, at::Tensor& expert_ids, at::Tensor& num_tokens_post_padded);
 
+// sleep_memory.cu: the allocator behind enable_sleep_mode (no tensors: host-side control of the
+// registry of allocations; the allocator's own entry points are extern "C" there).
+void sleep_memory_set_tag(int64_t tag);
+int64_t sleep_memory_release(int64_t tag, bool keep_contents);
+int64_t sleep_memory_restore(int64_t tag);
+int64_t sleep_memory_mapped_bytes(int64_t tag);
+
 }  // namespace shoal

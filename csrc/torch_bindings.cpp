@@ -3,7 +3,10 @@
 // Every op writes into tensors the caller allocated (`Tensor!` marks the ones it mutates) and
 // returns nothing, so each can be captured in a CUDA graph and needs no autograd or fake-tensor
 // rules beyond its schema. The Python wrapper beside each reference (shoal/kernels/<name>.py)
-// allocates the outputs and calls the op through shoal/kernels/dispatch.py.
+// allocates the outputs and calls the op through shoal/kernels/dispatch.py. The sleep_memory ops
+// are the exception: they take no tensors (they release and restore the memory of the allocator
+// behind enable_sleep_mode, shoal/kernels/sleep_memory.py), so they are registered for every
+// dispatch key with their definition.
 #include <torch/library.h>
 
 #include "ops.h"
@@ -27,6 +30,10 @@ TORCH_LIBRARY(shoal, m) {
   m.def(
       "moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, Tensor! sorted_token_ids, "
       "Tensor! expert_ids, Tensor! num_tokens_post_padded) -> ()");
+  m.def("sleep_memory_set_tag(int tag) -> ()", &shoal::sleep_memory_set_tag);
+  m.def("sleep_memory_release(int tag, bool keep_contents) -> int", &shoal::sleep_memory_release);
+  m.def("sleep_memory_restore(int tag) -> int", &shoal::sleep_memory_restore);
+  m.def("sleep_memory_mapped_bytes(int tag) -> int", &shoal::sleep_memory_mapped_bytes);
 }
 
 TORCH_LIBRARY_IMPL(shoal, CUDA, m) {

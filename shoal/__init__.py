@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shoal.logger import configure_logging
-from shoal.outputs import CompletionOutput, Logprob, RequestOutput
+from shoal.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -13,7 +13,15 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 configure_logging()
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "WeightVersionSpan",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> object:

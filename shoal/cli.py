@@ -47,6 +47,7 @@ _HELP = {
     "seed": "the engine's random seed",
     "device": "where the model runs",
     "enforce_eager": "never capture CUDA graphs",
+    "enable_sleep_mode": "GPU: weights and KV cache keep their addresses across sleep/wake_up (no CUDA-graph recapture)",
     "tensor_parallel_size": "GPUs (or CPU workers) each layer is split over",
     "pipeline_parallel_size": "pipeline stages, each a contiguous slice of layers",
     "distributed_executor_backend": "uni: one worker in the engine-core process; ray: Ray actors",
@@ -56,6 +57,7 @@ _HELP = {
     "ray_address": "the Ray cluster to join; none: start or find a local one",
     "max_worker_restarts": "re-create a dead Ray worker at most this many times per window, then shut down (0: never)",
     "worker_restart_window_s": "the window, in seconds, over which --max-worker-restarts counts",
+    "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
     "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU)",
 }
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
@@ -101,6 +103,11 @@ def add_serve_parser(subparsers: Any) -> None:
         "--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     server.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    server.add_argument(
+        "--enable-rl-endpoints",
+        action="store_true",
+        help="add the RL rollout routes: /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused",
+    )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=run_serve)
 
@@ -121,6 +128,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         stats_interval_s=args.stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
+        enable_rl_endpoints=args.enable_rl_endpoints,
     )
     # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
     # rather than the default action; uvicorn handles it first for a graceful shutdown.

@@ -37,6 +37,9 @@ class ModelConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
+    # On a GPU: weights and KV cache in memory pools that keep their addresses across
+    # sleep / wake_up, so the CUDA graphs need no recapture (see shoal/workers/sleep.py).
+    enable_sleep_mode: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -84,6 +87,9 @@ class ParallelConfig:
     # `worker_restart_window_s` seconds; one more death shuts the engine down (0: never restart).
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 3600.0
+    # Mixture-of-experts layers: whole experts split across the tensor-parallel ranks instead of
+    # every expert's intermediate dimension (docs/moe.md). Set only for MoE architectures.
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -126,6 +132,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -137,6 +144,8 @@ class EngineArgs:
     worker_restart_window_s: float = 3600.0
     # None: on for one GPU worker, off otherwise.
     async_scheduling: bool | None = None
+    # MoE models: split whole experts across the tensor-parallel ranks (vLLM's flag).
+    enable_expert_parallel: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -215,6 +224,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
+            enable_sleep_mode=self.enable_sleep_mode,
             quantization=quantization,
         )
 
@@ -243,7 +253,18 @@ class EngineArgs:
             ray_address=self.ray_address,
             max_worker_restarts=self.max_worker_restarts,
             worker_restart_window_s=self.worker_restart_window_s,
+            enable_expert_parallel=self._expert_parallel(model_config),
         )
+
+    def _expert_parallel(self, model_config: ModelConfig) -> bool:
+        """Expert parallelism applies to mixture-of-experts architectures; asked of a dense
+        model it changes nothing, and the log says so."""
+        from shoal.models.registry import is_moe_architecture
+
+        if self.enable_expert_parallel and not is_moe_architecture(model_config.architecture):
+            logger.warning("enable_expert_parallel is ignored: %s has no experts", model_config.architecture)
+            return False
+        return self.enable_expert_parallel
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -19,3 +19,10 @@ class WorkerDiedError(EngineDeadError):
     def __init__(self, ranks: Iterable[int], message: str) -> None:
         super().__init__(message)
         self.ranks = tuple(sorted(set(ranks)))
+
+
+class GenerationHeldError(RuntimeError):
+    """A synchronous `LLM.generate` (or `chat`) was called while the engine holds new requests:
+    asleep, paused, or with its weights discarded by `sleep(level=2)`. Nothing in the calling
+    thread could end the hold, so the call fails instead of waiting forever (`AsyncLLM` and the
+    server let such requests wait)."""

@@ -62,6 +62,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # The weight version of the step whose tokens these are (None: no step's, e.g. the final
+    # outputs of requests a pause aborted).
+    weight_version: str | None = None
 
 
 class Abort(msgspec.Struct, array_like=True):
@@ -75,6 +78,11 @@ class UtilityRequest(msgspec.Struct, array_like=True):
     call_id: int
     method: str
     args: list[Any]
+
+
+# Utility calls whose reply waits until `EngineCore.settle_pause` (a "wait" pause returns once
+# the running requests have finished, while the engine goes on stepping them).
+SETTLING_METHODS = frozenset({"pause_generation"})
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -2,7 +2,9 @@
 
 Each kind exercises one code path of the model files: GQA, Llama 3.1 rope scaling, QKV bias
 with tied embeddings, QK-norm with an explicit head_dim, attention/MLP biases with a vocabulary
-that no tensor-parallel size divides and a single KV head. Weights use a large init std so that
+that no tensor-parallel size divides and a single KV head; and the mixture-of-experts families
+(MOE_KINDS): Mixtral's routing, Qwen2-MoE's shared expert and dense layers, Qwen3-MoE's
+renormalized routing saved with stacked expert tensors. Weights use a large init std so that
 greedy generation is not degenerate.
 """
 
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 
 KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_odd_vocab")
+# Mixture-of-experts kinds, kept apart so that the tests looping over KINDS stay as long as they were.
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 _CORPUS = [
@@ -66,7 +70,42 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "LlamaConfig",
         dict(vocab_size=1001, num_key_value_heads=1, attention_bias=True, mlp_bias=True, num_hidden_layers=2),
     ),
+    # 8 experts, top 2: softmax renormalized over the two.
+    "mixtral": (
+        "MixtralConfig",
+        dict(vocab_size=384, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    ),
+    # Unnormalized top 2 of 8, the gated shared expert, layer 1 dense (mlp_only_layers).
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            vocab_size=384,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            rope_parameters=dict(rope_theta=1e6),
+        ),
+    ),
+    # Renormalized top 2 of 8, QK-norm; saved with the experts stacked (transformers 5's layout).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=384,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            rope_parameters=dict(rope_theta=1e6),
+        ),
+    ),
 }
+# Kinds saved as transformers holds them in memory (stacked expert tensors) rather than in the
+# published per-tensor layout.
+_SAVED_AS_IN_MEMORY = {"qwen3_moe"}
 
 
 def make_tokenizer(path: Path, vocab_size: int) -> Any:
@@ -109,5 +148,5 @@ def make_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
     assert config.vocab_size == len(tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True, save_original_format=kind not in _SAVED_AS_IN_MEMORY)
     return path

@@ -102,3 +102,24 @@ def test_preemption_keeps_outputs_equal_to_hf(tiny_checkpoints: dict) -> None:
     assert stats["num_preemptions"] > 0
     assert stats["num_used_blocks"] == 0
     assert_matches_hf(path, outputs, prompts, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_models_match_hf_with_chunked_prefill_preemption_and_prefix_hits(moe_checkpoints: dict, kind: str) -> None:
+    """Eight prompts with chunked prefills in a cache too small for all of them (preemption),
+    then the same prompts again, their prefixes now cached: every run equals transformers."""
+    path = str(moe_checkpoints[kind])
+    llm = LLM(path, block_size=4, num_gpu_blocks_override=40, max_model_len=100, max_num_batched_tokens=24)
+    prompts = prompts_for(llm.get_tokenizer())
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and max(len(p) for p in prompts) > 24
+    assert_matches_hf(path, first, prompts, stop_at_eos=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    assert llm.get_stats()["prefix_cache_hits"] > stats["prefix_cache_hits"]
+    for ours, before in zip(again, first):
+        assert ours.outputs[0].token_ids == before.outputs[0].token_ids  # which matched transformers
+        for a, b in zip(ours.outputs[0].logprobs, before.outputs[0].logprobs):
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in b)
+    assert llm.get_stats()["num_used_blocks"] == 0

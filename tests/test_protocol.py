@@ -107,6 +107,7 @@ EXAMPLES: list[msgspec.Struct] = [
         outputs=[ENGINE_CORE_OUTPUT, EngineCoreOutput(request_id="req-5", new_token_ids=[3])],
         scheduler_stats=SCHEDULER_STATS,
         timestamp=1712345678.5,
+        weight_version="step-12",
     ),
     EngineCoreOutputs(),
     NEW_REQUEST,

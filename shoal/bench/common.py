@@ -124,8 +124,14 @@ def describe_bound(setup: OfflineSetup, bound: hardware.WorkloadBound | None) ->
         f"{bound.prefill_s:.3g} s + decode {bound.decode_s:.3g} s over {bound.num_steps:,} steps "
         f"({bound.num_memory_bound_steps:,} memory-bound), {bound.serial_bound_s:.3g} s with each step's weight "
         f"and attention phases in series; model {format_rate(setup.shape.num_params, '')} params, "
-        f"{format_rate(setup.shape.weight_bytes, 'B')} of weights, "
-        f"{setup.shape.kv_bytes_per_token / 1024:.4g} KiB of KV cache per token"
+        f"{format_rate(setup.shape.weight_bytes_for(0), 'B')} of weights read every step"
+        + (
+            f" + {format_rate(setup.shape.expert_bytes, 'B')} per routed expert touched "
+            f"({setup.shape.num_experts} in each of {setup.shape.num_moe_layers} layers), "
+            if setup.shape.num_experts
+            else ", "
+        )
+        + f"{setup.shape.kv_bytes_per_token / 1024:.4g} KiB of KV cache per token"
     )
 
 

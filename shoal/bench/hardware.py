@@ -12,7 +12,8 @@ running request (at most `max_num_seqs`) one token further, a finished request's
 the next waiting one, so the batch shrinks at the end. Each step costs at least
 
     max(bytes / copy bandwidth, flops / GEMM rate)
-    bytes = weight bytes (every weight read once a step)
+    bytes = weight bytes (every weight read once a step; of a mixture of experts, the experts
+            the step's tokens chose, expected under uniform routing)
             + KV bytes per token × (context tokens attention reads + new tokens written)
     flops = 2 × layer params × new tokens + 2 × LM-head params × sampled tokens
             + 4 × layers × heads × head_dim × (query, key) pairs attention scores
@@ -126,12 +127,35 @@ class ModelShape:
     embed_params: int
     lm_head_params: int
     tied_embeddings: bool
-    weight_bytes: int  # read once a step: layers + LM head (the embedding is a row lookup)
+    weight_bytes: int  # read once a step: layers + LM head (the embedding is a row lookup); no routed expert
     kv_bytes_per_token: int  # K and V of one token over all layers
+    # Mixture of experts: layer_params counts the experts a token goes through (top_k of them);
+    # a step reads the weights of the experts its tokens chose (`weight_bytes_for`).
+    num_moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0  # one routed expert of one layer
+    expert_bytes: int = 0
 
     @property
     def num_params(self) -> int:
-        return self.layer_params + self.embed_params + (0 if self.tied_embeddings else self.lm_head_params)
+        idle_experts = self.num_moe_layers * (self.num_experts - self.experts_per_token) * self.expert_params
+        return (
+            self.layer_params + idle_experts + self.embed_params + (0 if self.tied_embeddings else self.lm_head_params)
+        )
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """The routed experts a step of `num_tokens` tokens reads in one MoE layer, expected
+        under uniform routing: E (1 - (1 - k/E)^T) (random weights route nearly uniformly;
+        trained routers are less even, and touch fewer)."""
+        if self.num_experts == 0:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** num_tokens)
+
+    def weight_bytes_for(self, num_tokens: int) -> float:
+        """Weight bytes a step of `num_tokens` tokens reads: everything but the routed experts,
+        and the experts it touches."""
+        return self.weight_bytes + self.num_moe_layers * self.expert_bytes * self.experts_touched(num_tokens)
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -157,17 +181,22 @@ class ModelShape:
         model_type = getattr(hf_config, "model_type", "")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
-        if getattr(hf_config, "attention_bias", False) or model_type == "qwen2":
+        if getattr(hf_config, "attention_bias", False) or model_type in ("qwen2", "qwen2_moe"):
             attention += q_size + 2 * kv_size + (hidden if getattr(hf_config, "attention_bias", False) else 0)
-        if model_type == "qwen3":
+        if model_type in ("qwen3", "qwen3_moe"):
             attention += 2 * head_dim  # q_norm and k_norm
         mlp = 3 * hidden * intermediate + (2 * intermediate + hidden if getattr(hf_config, "mlp_bias", False) else 0)
-        linear_params = num_layers * (attention + mlp)
-        layer_params = linear_params + num_layers * 2 * hidden + hidden  # two norms a layer, one final
+        moe = _moe_shape(hf_config, hidden)
+        num_dense = num_layers - moe["num_moe_layers"]
+        # Linear layers read every step: attention everywhere, dense MLPs, MoE layers' router and shared experts.
+        linear_params = num_layers * attention + num_dense * mlp + moe["num_moe_layers"] * moe["always_params"]
+        active_experts = moe["num_moe_layers"] * moe["experts_per_token"] * moe["expert_params"]
+        layer_params = linear_params + active_experts + num_layers * 2 * hidden + hidden  # two norms a layer, one final
         lm_head = vocab * hidden
         dtype_bytes = DTYPE_BYTES[dtype]
         linear_bytes = DTYPE_BYTES["fp8"] if quantization == "fp8" else dtype_bytes
-        weight_bytes = linear_params * linear_bytes + (layer_params - linear_params + lm_head) * dtype_bytes
+        norm_params = layer_params - linear_params - active_experts
+        weight_bytes = linear_params * linear_bytes + (norm_params + lm_head) * dtype_bytes
         kv_bytes = dtype_bytes if kv_cache_dtype == "auto" else DTYPE_BYTES[kv_cache_dtype]
         return cls(
             num_layers=num_layers,
@@ -179,7 +208,37 @@ class ModelShape:
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             weight_bytes=weight_bytes,
             kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * kv_bytes,
+            num_moe_layers=moe["num_moe_layers"],
+            num_experts=moe["num_experts"],
+            experts_per_token=moe["experts_per_token"],
+            expert_params=moe["expert_params"],
+            expert_bytes=moe["expert_params"] * dtype_bytes,  # the experts stay in the model's dtype
         )
+
+
+def _moe_shape(hf_config: Any, hidden: int) -> dict[str, int]:
+    """A mixture-of-experts config's layer counts and sizes (zeros for a dense model): routed
+    experts of `moe_intermediate_size` (Mixtral: `intermediate_size`), and the parameters every
+    token of a MoE layer goes through: the router and the shared experts (Qwen2-MoE's gated one,
+    DeepSeek's `n_shared_experts`)."""
+    from shoal.layers.moe.routing import num_routed_experts
+    from shoal.layers.moe.sparsity import is_moe_layer
+
+    num_experts = num_routed_experts(hf_config)
+    num_moe_layers = sum(is_moe_layer(hf_config, i) for i in range(int(hf_config.num_hidden_layers)))
+    if not num_experts or not num_moe_layers:
+        return dict(num_moe_layers=0, num_experts=0, experts_per_token=0, expert_params=0, always_params=0)
+    expert_intermediate = int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+    shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    shared_params = 3 * hidden * shared + (hidden if shared else 0)  # with its gate
+    shared_params += 3 * hidden * expert_intermediate * int(getattr(hf_config, "n_shared_experts", 0) or 0)
+    return dict(
+        num_moe_layers=num_moe_layers,
+        num_experts=num_experts,
+        experts_per_token=int(hf_config.num_experts_per_tok),
+        expert_params=3 * hidden * expert_intermediate,
+        always_params=num_experts * hidden + shared_params,
+    )
 
 
 # ---- the workload as engine steps ------------------------------------------------------------
@@ -276,14 +335,15 @@ def step_bytes_and_flops(shape: ModelShape, step: StepLoad) -> tuple[float, floa
         + 2 * shape.lm_head_params * step.num_sampled
         + shape.attention_flops_per_pair * step.attention_pairs
     )
-    return shape.weight_bytes + kv_bytes, flops
+    return shape.weight_bytes_for(step.num_tokens) + kv_bytes, flops
 
 
 def step_phases(shape: ModelShape, step: StepLoad) -> tuple[tuple[float, float], tuple[float, float]]:
     """((bytes, flops) of the weight phase, (bytes, flops) of the attention phase)."""
     weight_flops = 2 * shape.layer_params * step.num_tokens + 2 * shape.lm_head_params * step.num_sampled
     kv_bytes = shape.kv_bytes_per_token * (step.kv_read_tokens + step.num_tokens)
-    return (shape.weight_bytes, weight_flops), (kv_bytes, shape.attention_flops_per_pair * step.attention_pairs)
+    weight_bytes = shape.weight_bytes_for(step.num_tokens)
+    return (weight_bytes, weight_flops), (kv_bytes, shape.attention_flops_per_pair * step.attention_pairs)
 
 
 def workload_bound(

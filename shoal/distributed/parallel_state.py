@@ -71,6 +71,8 @@ class GroupCoordinator:
 
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
+# Mixture-of-experts layers split whole experts over the TP group (enable_expert_parallel).
+_EXPERT_PARALLEL = False
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -87,6 +89,18 @@ def get_tensor_model_parallel_world_size() -> int:
 
 def get_tensor_model_parallel_rank() -> int:
     return get_tp_group().rank_in_group
+
+
+def expert_parallel_enabled() -> bool:
+    """Whether mixture-of-experts layers split whole experts over the tensor-parallel group
+    (`enable_expert_parallel`) rather than every expert's intermediate dimension."""
+    return _EXPERT_PARALLEL
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Install this worker's expert-parallel choice (the distributed init does this; tests may too)."""
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = enabled
 
 
 def set_model_parallel_groups(tp: GroupCoordinator | None, pp: GroupCoordinator | None) -> None:
@@ -139,16 +153,19 @@ def initialize_model_parallel(
     pp_size: int,
     device: torch.device,
     nccl_unique_ids: dict[tuple[int, ...], NcclUniqueId] | None = None,
+    enable_expert_parallel: bool = False,
 ) -> None:
     """Create this worker's tensor- and pipeline-parallel groups and install them.
 
     On GPU, `nccl_unique_ids` maps each group of more than one rank (its global ranks, as a
-    tuple) to the NCCL unique id that the group's rank 0 created.
+    tuple) to the NCCL unique id that the group's rank 0 created. With
+    `enable_expert_parallel` the tensor-parallel group also splits MoE layers' experts.
     """
     rank = dist.get_rank()
     tp = _create_group(tp_group_ranks(tp_size, pp_size), rank, device, nccl_unique_ids)
     pp = _create_group(pp_group_ranks(tp_size, pp_size), rank, device, nccl_unique_ids)
     set_model_parallel_groups(tp, pp)
+    set_expert_parallel(enable_expert_parallel)
     logger.debug("rank %d: tensor-parallel ranks %s, pipeline-parallel ranks %s", rank, tp.ranks, pp.ranks)
 
 
@@ -187,5 +204,6 @@ def destroy_model_parallel() -> None:
         if group is not None and group.communicator is not None:
             group.communicator.destroy()
     set_model_parallel_groups(None, None)
+    set_expert_parallel(False)
     if dist.is_initialized():
         dist.destroy_process_group()

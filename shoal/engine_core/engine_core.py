@@ -1,7 +1,8 @@
 """`EngineCore`: the loop at the heart of shoal — schedule → execute → update.
 
 It owns the scheduler and the executor. This class is the in-process core; the engine-core
-process wraps it with socket threads (see `engine_core/process.py`).
+process wraps it with socket threads (see `engine_core/process.py`). Pause/resume and
+sleep/wake_up come from `GenerationControl` (engine_core/generation_control.py).
 
 When a Ray worker dies the executor says so with `WorkerDiedError`; the core then requeues the
 running requests for recompute, has the executor re-create the worker, and carries on, as long as
@@ -18,6 +19,7 @@ from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.engine_core.batch import SchedulerOutput
+from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
 from shoal.engine_core.worker_restarts import RestartBudget
@@ -43,7 +45,7 @@ class StepTimes:
         self.execute_s += execute_s
 
 
-class EngineCore:
+class EngineCore(GenerationControl):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         start = time.perf_counter()
@@ -60,6 +62,7 @@ class EngineCore:
         self.step_times = StepTimes()
         parallel = config.parallel_config
         self.restart_budget = RestartBudget(parallel.max_worker_restarts, parallel.worker_restart_window_s)
+        self._init_generation_control()
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,
@@ -178,10 +181,13 @@ class EngineCore:
 
     def _refuse_restart(self, error: WorkerDiedError) -> None:
         """Shut down and raise `EngineDeadError` if the workers may not be re-created: the
-        restart budget is spent, or the weights were updated in place (a new worker would load
-        the checkpoint's, and the ranks would disagree)."""
+        restart budget is spent, the weights were updated in place (a new worker would load
+        the checkpoint's, and the ranks would disagree), or the engine is asleep (the survivors'
+        weights and KV cache are not where a restart expects them)."""
         if self.scheduler.weights_updated_in_place:
             reason = "the weights were updated in place since they were loaded"
+        elif self.sleeping_tags:
+            reason = "the engine is asleep"
         elif not self.restart_budget.take():
             budget = self.restart_budget
             reason = (

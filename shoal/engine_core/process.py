@@ -33,6 +33,7 @@ from shoal.config import EngineConfig
 from shoal.engine_core.engine_core import EngineCore
 from shoal.errors import EngineDeadError
 from shoal.protocol import (
+    SETTLING_METHODS,
     EngineCoreRequest,
     EngineDead,
     EngineReady,
@@ -46,7 +47,22 @@ from shoal.protocol import (
 logger = logging.getLogger(__name__)
 
 # Methods of EngineCore the frontend may call (collective_rpc reaches the workers).
-UTILITY_METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "get_stats", "check_health"})
+UTILITY_METHODS = frozenset(
+    {
+        "collective_rpc",
+        "reset_prefix_cache",
+        "get_stats",
+        "check_health",
+        # generation_control.py
+        "pause_generation",
+        "resume_generation",
+        "is_paused",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "generation_hold",
+    }
+)
 
 
 # What an engine core imports whatever its model: the worker (torch, the model runner, layers
@@ -159,6 +175,8 @@ class EngineCoreProc:
             target=self._receive, args=(context, input_address), name="shoal-core-input", daemon=True
         )
         self._output_thread = threading.Thread(target=self._send, name="shoal-core-output", daemon=True)
+        # Replies of pause calls not settled yet (see SETTLING_METHODS).
+        self._unsettled_replies: list[list[bytes]] = []
         self._input_thread.start()
         self._output_thread.start()
         self.output_queue.put(encode(MessageType.READY, EngineReady(num_kv_blocks=core.num_kv_blocks)))
@@ -166,12 +184,15 @@ class EngineCoreProc:
     # ---- the loop ---------------------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
-        """Take every waiting message (block only when idle), then run one step."""
+        """Take every waiting message (block only when idle: nothing to run, or generation
+        held), then run one step."""
         while True:
-            self._process_input(block=not self.core.has_unfinished_requests())
-            if self.core.has_unfinished_requests():
+            self._process_input(block=not self.core.has_work())
+            if self.core.has_work():
                 outputs = self.core.step()
                 self.output_queue.put(encode(MessageType.OUTPUTS, outputs))
+                if self._unsettled_replies:
+                    self._reply_if_settled()
 
     def _process_input(self, block: bool) -> None:
         while block:
@@ -200,18 +221,37 @@ class EngineCoreProc:
             logger.warning("refused request %s: %s", request.request_id, exc)
 
     def _call_utility(self, call: UtilityRequest) -> None:
+        settling = False
         try:
             if call.method not in UTILITY_METHODS:
                 raise ValueError(f"the engine core has no utility method {call.method!r}")
             result = getattr(self.core, call.method)(*call.args)
             reply = UtilityOutput(call_id=call.call_id, result=result)
             frames = encode(MessageType.UTILITY_OUTPUT, reply)
+            settling = call.method in SETTLING_METHODS
         except EngineDeadError:
             raise  # a failed health check ends the engine: the loop reports ENGINE_DEAD
         except Exception as exc:  # the caller gets the error; the engine keeps serving
             reply = UtilityOutput(call_id=call.call_id, error=f"{type(exc).__name__}: {exc}")
             frames = encode(MessageType.UTILITY_OUTPUT, reply)
-        self.output_queue.put(frames)
+        self._send_side_outputs()  # what the call landed or aborted reaches the frontend first
+        if settling:
+            self._unsettled_replies.append(frames)
+        else:
+            self.output_queue.put(frames)
+        if self._unsettled_replies:
+            self._reply_if_settled()  # this call may have settled an earlier pause (resume, abort)
+
+    def _send_side_outputs(self) -> None:
+        while self.core.side_outputs:
+            self.output_queue.put(encode(MessageType.OUTPUTS, self.core.side_outputs.popleft()))
+
+    def _reply_if_settled(self) -> None:
+        if self.core.settle_pause():
+            self._send_side_outputs()
+            for frames in self._unsettled_replies:
+                self.output_queue.put(frames)
+            self._unsettled_replies = []
 
     # ---- socket threads ---------------------------------------------------------------------
 

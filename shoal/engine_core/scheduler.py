@@ -10,10 +10,17 @@ Steps may overlap. With pipeline parallelism a request waits until its step come
 async scheduling a decoding request runs one step ahead: it is scheduled again while its last
 token is still being sampled (a placeholder the workers fill in on the device), so the next
 step is ready when the device finishes this one.
+
+Scheduling can be held (`admission`): by a pause (`pause`, as `EngineCore.pause_generation`
+asks), while the engine sleeps, and while weights discarded by a level-2 sleep have not been
+replaced. A "wait" pause lets the requests already started run to their end and admits no new
+one; the other holds schedule nothing. Requests that arrive meanwhile wait. Every step is stamped
+with the weight version it runs with (`weight_version`), which its outputs carry to the frontend.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import Counter, deque
@@ -35,12 +42,23 @@ from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class Admission(enum.Enum):
+    """What `Scheduler.schedule` may schedule."""
+
+    OPEN = "open"  # every request
+    DRAIN = "drain"  # only requests already started (a "wait" pause)
+    HOLD = "hold"  # nothing (paused, asleep, or weights discarded)
+
 
 @dataclass
 class ScheduledStep:
     """One step as the scheduler builds it, kept until its output is applied."""
 
     budget: int  # tokens the step may still take
+    weight_version: str  # the weights the step runs with
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -78,6 +96,11 @@ class Scheduler:
         # advanced by every weight update (see `advance_weight_version`).
         self.weight_version = "0"
         self._num_weight_updates = 0
+        # Why scheduling is held, if it is (see `_update_admission`).
+        self.pause_mode: str | None = None
+        self.sleeping = False
+        self.weights_missing = False  # discarded by a level-2 sleep, not yet replaced
+        self.admission = Admission.OPEN
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -102,7 +125,22 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether `schedule` may have something to run: any request while admission is open;
+        under a "wait" pause only requests already started (running, or preempted: those wait
+        at the front of the queue); nothing while held."""
+        if self.admission is Admission.OPEN:
+            return bool(self.requests)
+        return self.admission is Admission.DRAIN and self.has_started_requests()
+
+    def has_started_requests(self) -> bool:
+        """Whether a request that has started generating is unfinished: running, or preempted
+        (preempted requests wait at the front of the queue)."""
+        return bool(self.running) or bool(self.waiting and self.waiting[0].status == RequestStatus.PREEMPTED)
+
     def has_schedulable_requests(self) -> bool:
+        if self.admission is not Admission.OPEN and not self.has_work():
+            return False
         if self.async_scheduling:
             return bool(self.requests)  # requests in flight may run ahead
         return any(not request.num_steps_in_flight for request in self.requests.values())
@@ -120,11 +158,19 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = ScheduledStep(budget=self.max_num_batched_tokens)
+        step = ScheduledStep(budget=self.max_num_batched_tokens, weight_version=self.weight_version)
+        if self.admission is not Admission.OPEN:
+            return self._schedule_held(step)
         preempted = self._schedule_running(step)
         # New requests only when no running one had to give up its blocks this step.
         if not preempted:
             self._schedule_waiting(step)
+        return self._make_output(step)
+
+    def _schedule_held(self, step: ScheduledStep) -> SchedulerOutput:
+        """Nothing while held; while draining, the running requests and the preempted ones."""
+        if self.admission is Admission.DRAIN and not self._schedule_running(step):
+            self._schedule_waiting(step, started_only=True)
         return self._make_output(step)
 
     def _schedule_running(self, step: ScheduledStep) -> bool:
@@ -154,11 +200,14 @@ class Scheduler:
             self._add_to_step(step, request, num_new_tokens)
         return self.num_preemptions > num_preemptions_before
 
-    def _schedule_waiting(self, step: ScheduledStep) -> None:
+    def _schedule_waiting(self, step: ScheduledStep, started_only: bool = False) -> None:
         """Waiting requests in arrival order, each starting after its prefix-cache hit, while
-        the budget, the blocks and max_num_seqs allow."""
+        the budget, the blocks and max_num_seqs allow; with `started_only`, only the preempted
+        ones (they wait at the front)."""
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if started_only and request.status != RequestStatus.PREEMPTED:
+                break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, step.budget)
             blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
@@ -276,7 +325,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append the sampled tokens, finish requests that stopped, and report to the frontend."""
         outputs = []
-        step = self._scheduled.pop(scheduler_output.step_id, None) or ScheduledStep(budget=0)
+        step = self._scheduled.pop(scheduler_output.step_id, None) or ScheduledStep(0, self.weight_version)
         scheduled = self._land(step)
         prompt_chunks = {r: chunk for r, chunk in step.prompt_chunks.items() if r in scheduled}
         num_prompt_tokens = sum(num_tokens for _, num_tokens in prompt_chunks.values())
@@ -320,7 +369,9 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=stats, timestamp=time.time(), weight_version=step.weight_version
+        )
 
     def _land(self, step: ScheduledStep) -> dict[str, Request]:
         """The step is back: its requests are no longer in flight. Returns those still as they
@@ -398,13 +449,10 @@ class Scheduler:
                 request.num_steps_in_flight -= 1
         self._scheduled.clear()
         num_requeued = len(self.running)
-        # Newest first, each to the front of the queue: they resume in their running order.
-        for request in reversed(self.running):
-            self._preempt(request)
-        self.running.clear()
+        self.preempt_all_running()  # (which drops their placeholders too)
         # No worker knows any request now; there is nothing to tell them about finished ones.
         self._finished_req_ids.clear()
-        self.kv_cache_manager.reset_prefix_cache()
+        self.reset_prefix_cache()
         return num_requeued
 
     @property
@@ -415,7 +463,83 @@ class Scheduler:
 
     def advance_weight_version(self, name: str | None = None) -> str:
         """New weights are in: later steps run with version `name`, or by default with the
-        number of updates so far ("1", "2", ...). Returns the new version."""
+        number of updates so far ("1", "2", ...). Returns the new version. Weights discarded by a
+        level-2 sleep count as replaced from now on."""
         self._num_weight_updates += 1
         self.weight_version = str(self._num_weight_updates) if name is None else name
+        if self.weights_missing:
+            self.weights_missing = False
+            self._update_admission()
         return self.weight_version
+
+    # ---- pause and sleep ----------------------------------------------------------------------
+    # The engine core lands every step still in flight before it calls these (except a "wait"
+    # pause, whose requests go on running), so no request is in flight here.
+
+    def pause(self, mode: str, clear_cache: bool = True) -> list[EngineCoreOutput]:
+        """Hold scheduling until `resume`. "abort" finishes every request (running and waiting)
+        as aborted and returns their final outputs; "wait" lets the requests already started
+        run to their end; "keep" freezes them. With `clear_cache` the prefix cache is reset, and
+        kept requests give up their KV cache (recomputed after `resume`, with the weights in
+        place then)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        outputs = self._abort_all() if mode == "abort" else []
+        if mode == "keep" and clear_cache:
+            self.preempt_all_running()
+        if clear_cache:
+            self.reset_prefix_cache()
+        self.pause_mode = mode
+        self._update_admission()
+        return outputs
+
+    def resume(self) -> None:
+        self.pause_mode = None
+        self._update_admission()
+
+    def sleep(self, discard_weights: bool) -> None:
+        """The workers are about to drop the KV cache (and with `discard_weights` the weights):
+        running requests give up their blocks and wait to be recomputed after the wake-up, and
+        the prefix cache forgets every block. Scheduling is held until `wake_up` (and, with
+        `discard_weights`, until `advance_weight_version`)."""
+        self.preempt_all_running()
+        self.reset_prefix_cache()
+        self.sleeping = True
+        self.weights_missing = self.weights_missing or discard_weights
+        self._update_admission()
+
+    def wake_up(self) -> None:
+        self.sleeping = False
+        self._update_admission()
+
+    def preempt_all_running(self) -> None:
+        """Every running request gives up its KV blocks and waits, in its order, at the front
+        of the queue, to be recomputed with its tokens so far."""
+        if any(request.num_steps_in_flight for request in self.running):
+            raise RuntimeError("requests still in flight cannot give up their blocks: land their steps first")
+        for request in reversed(self.running):
+            self._preempt(request)
+        self.running = []
+
+    def _abort_all(self) -> list[EngineCoreOutput]:
+        """Abort every request; their final outputs (no new tokens, finish_reason "abort")."""
+        outputs = [
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason="abort",
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                first_scheduled_time=request.first_scheduled_time,
+            )
+            for request in self.requests.values()
+        ]
+        self.abort_requests(list(self.requests))
+        return outputs
+
+    def _update_admission(self) -> None:
+        if self.sleeping or self.weights_missing or self.pause_mode in ("abort", "keep"):
+            self.admission = Admission.HOLD
+        elif self.pause_mode == "wait":
+            self.admission = Admission.DRAIN
+        else:
+            self.admission = Admission.OPEN

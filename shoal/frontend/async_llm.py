@@ -127,7 +127,7 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                processed = self.output_processor.process_outputs(outputs.outputs, outputs.weight_version)
                 for request_output in processed.request_outputs:
                     queue = self._queues.get(request_output.request_id)
                     if queue is not None:
@@ -173,6 +173,38 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
+
+    # ---- RL rollouts: sleep / wake_up, pause / resume (docs/rl.md) ----------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the engine's device memory (as `LLM.sleep`). Requests running meanwhile give up
+        their KV cache; they and new ones wait until `wake_up` and then run (recomputed)."""
+        await self._call("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` freed: everything, or the parts in `tags` ("weights", "kv_cache")."""
+        await self._call("wake_up", None if tags is None else list(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self._call("is_sleeping")
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Hold generation until `resume_generation`; requests that arrive meanwhile wait.
+
+        mode="abort": running and waiting requests end now with finish_reason "abort" and their
+        tokens so far. mode="wait": returns once the running requests have finished; no new one
+        starts. mode="keep": running requests freeze and continue after the resume. Steps in
+        flight land first. `clear_cache` resets the prefix cache; with "keep" the frozen requests'
+        KV cache is dropped too and recomputed after the resume (with the weights then in place);
+        `clear_cache=False` keeps it. Every output's `weight_versions` says which weights
+        sampled which tokens."""
+        await self._call("pause_generation", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self._call("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return await self._call("is_paused")
 
     async def start_profile(self, profile_dir: str | None = None) -> None:
         """As `LLM.start_profile`."""

@@ -44,6 +44,7 @@ from shoal import socket_auth
 from shoal.config import EngineConfig
 from shoal.errors import EngineDeadError
 from shoal.protocol import (
+    SETTLING_METHODS,
     Abort,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -56,6 +57,9 @@ from shoal.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How often the in-process asyncio client looks whether a "wait" pause has settled.
+_SETTLE_POLL_S = 0.01
 
 _MAIN_GUARD_HINT = (
     "shoal starts its engine core in a new process (spawn), which imports your script again. "
@@ -109,10 +113,18 @@ class InprocClient(EngineCoreClient):
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
+        if self.core.side_outputs:  # landed steps or aborted requests of a pause or sleep
+            return self.core.side_outputs.popleft()
         return self.core.step()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        return getattr(self.core, method)(*args)
+        result = getattr(self.core, method)(*args)
+        if method in SETTLING_METHODS:
+            # A "wait" pause returns once its requests have finished: step them here, keeping
+            # their outputs for get_output (asleep, nothing could run: return at once).
+            while not self.core.settle_pause() and self.core.has_work():
+                self.core.side_outputs.append(self.core.step())
+        return result
 
     def shutdown(self) -> None:
         if self.core is not None:
@@ -453,14 +465,25 @@ class AsyncInprocClient:
     async def get_output_async(self) -> EngineCoreOutputs:
         while True:
             with self._lock:
-                has_work = self.core.has_unfinished_requests()
+                if self.core.side_outputs:  # landed steps or aborted requests of a pause or sleep
+                    return self.core.side_outputs.popleft()
+                has_work = self.core.has_work()
             if has_work:
                 return await asyncio.to_thread(self._locked, self.core.step)
             await self._wake().wait()
             self._wake().clear()
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        return await asyncio.to_thread(self._locked, getattr(self.core, method), *args)
+        try:
+            result = await asyncio.to_thread(self._locked, getattr(self.core, method), *args)
+            if method in SETTLING_METHODS:
+                # A "wait" pause returns once its requests have finished; the output handler
+                # steps them meanwhile.
+                while not await asyncio.to_thread(self._locked, self.core.settle_pause):
+                    await asyncio.sleep(_SETTLE_POLL_S)
+            return result
+        finally:
+            self._wake().set()  # the call may have made outputs or work (a resume, a wake-up)
 
     def _locked(self, fn: Any, *args: Any) -> Any:
         with self._lock:

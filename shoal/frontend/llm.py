@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from shoal import envs
 from shoal.config import EngineArgs
+from shoal.errors import GenerationHeldError
 from shoal.frontend.chat import Conversation, render_chat
 from shoal.frontend.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from shoal.frontend.input_processor import PromptType
@@ -94,6 +95,7 @@ class LLM:
     ) -> list[RequestOutput]:
         for (_, token_ids), _params in zip(prompts, params_list):
             self.input_processor.validate_prompt(token_ids)  # fail before anything is queued
+        self._check_not_held()
         order = {}
         for (text, token_ids), params in zip(prompts, params_list):
             request_id = str(next(self._request_counter))
@@ -116,7 +118,7 @@ class LLM:
         try:
             while self.output_processor.has_unfinished_requests():
                 outputs = self.engine_core.get_output()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                processed = self.output_processor.process_outputs(outputs.outputs, outputs.weight_version)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
                 for output in processed.request_outputs:
@@ -132,6 +134,13 @@ class LLM:
         finally:
             bar.close()
         return finished
+
+    def _check_not_held(self) -> None:
+        """Requests on an engine that is asleep or paused would wait for a call that this
+        thread, blocked in generate, could never make: fail instead."""
+        hold = self.engine_core.call_utility("generation_hold")
+        if hold is not None:
+            raise GenerationHeldError(f"{hold} (LLM.generate would wait forever)")
 
     def _abort_all(self) -> None:
         for request_id in list(self.output_processor.parents):
@@ -150,6 +159,34 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
+
+    # ---- RL rollouts: sleep / wake_up, pause / resume (docs/rl.md) ----------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's device memory: level 1 moves the weights to pinned host memory and
+        drops the KV cache, level 2 drops both (new weights come with an update). Until
+        `wake_up` no step runs, and `generate` raises `GenerationHeldError`."""
+        self.engine_core.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` freed: everything, or the parts in `tags` ("weights",
+        "kv_cache"), e.g. the weights first to update them before the KV cache comes back."""
+        self.engine_core.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        """True while any part dropped by `sleep` is still asleep."""
+        return self.engine_core.call_utility("is_sleeping")
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Hold generation until `resume_generation` (see `AsyncLLM.pause_generation`; here
+        nothing runs between `generate` calls, and `generate` raises while paused)."""
+        self.engine_core.call_utility("pause_generation", mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.engine_core.call_utility("resume_generation")
+
+    def is_paused(self) -> bool:
+        return self.engine_core.call_utility("is_paused")
 
     def start_profile(self, profile_dir: str | None = None) -> None:
         """Run torch.profiler on every worker, where the model runs (the engine-core process or

@@ -1,8 +1,9 @@
 """`OutputProcessor`: turns the engine core's token ids into `RequestOutput`s.
 
 It detokenizes incrementally, applies stop strings (a hit finishes the request here and asks
-the core to abort it), formats logprobs, and joins the `n` child requests of a prompt back
-into one `RequestOutput`.
+the core to abort it), formats logprobs, joins the `n` child requests of a prompt back into one
+`RequestOutput`, and says which weight version sampled which tokens (`weight_versions`: each
+completion remembers where a new version started; spans are built only for the outputs made).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from shoal.engine_core.batch import LogprobsLists
 from shoal.frontend.detokenizer import IncrementalDetokenizer
-from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, WeightVersionSpan
 from shoal.protocol import EngineCoreOutput
 from shoal.sampling_params import SamplingParams
 
@@ -44,6 +45,41 @@ class ParentRequest:
         return self.num_finished == len(self.completions)
 
 
+class WeightVersions:
+    """Where each weight version starts in one completion's tokens, and its spans on demand."""
+
+    __slots__ = ("cached_length", "cached_spans", "starts", "version")
+
+    def __init__(self) -> None:
+        self.version: str | None = None  # the version of the latest tokens
+        self.starts: list[tuple[str, int]] = []  # (version, index of its first token), in order
+        # While one version made every token, the spans depend on their number only (a stream's
+        # outputs are mostly one token each): the last ones, for that many tokens (-1: none).
+        self.cached_length = -1
+        self.cached_spans: tuple[WeightVersionSpan, ...] = ()
+
+    def start(self, version: str, index: int) -> None:
+        """Tokens from `index` on were sampled with `version`."""
+        self.version = version
+        self.starts.append((version, index))
+        self.cached_length = -1
+
+    def spans(self, first: int, end: int) -> tuple[WeightVersionSpan, ...]:
+        """The spans of tokens first..end (exclusive), as indices from `first`."""
+        if end - first == self.cached_length:
+            return self.cached_spans
+        starts = self.starts
+        spans = []
+        for i, (version, start) in enumerate(starts):
+            stop = starts[i + 1][1] if i + 1 < len(starts) else end
+            lo, hi = max(start, first), min(stop, end)
+            if lo < hi:
+                spans.append(WeightVersionSpan(version, lo - first, hi - first))
+        if len(starts) == 1 and starts[0][1] == 0:
+            self.cached_length, self.cached_spans = end - first, tuple(spans)
+        return tuple(spans)
+
+
 @dataclass
 class ChildState:
     parent: ParentRequest
@@ -52,6 +88,7 @@ class ChildState:
     detokenizer: IncrementalDetokenizer
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
+    weight_versions: WeightVersions = field(default_factory=WeightVersions)
 
 
 @dataclass
@@ -124,14 +161,15 @@ class OutputProcessor:
             self.children.pop(child_id, None)
         return [c for i, c in enumerate(parent.child_ids) if parent.completions[i].finish_reason is None]
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process_outputs(self, outputs: list[EngineCoreOutput], weight_version: str | None = None) -> ProcessedOutputs:
+        """Apply one step's outputs; `weight_version` is the version that step ran with."""
         request_outputs = []
         reqs_to_abort = []
         for output in outputs:
             child = self.children.get(output.request_id)
             if child is None:
                 continue  # aborted by the user while the step ran
-            stopped_by_string = self._update_child(child, output)
+            stopped_by_string = self._update_child(child, output, weight_version)
             if stopped_by_string and not output.finished:
                 reqs_to_abort.append(output.request_id)
             request_output = self._make_request_output(child)
@@ -139,10 +177,13 @@ class OutputProcessor:
                 request_outputs.append(request_output)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 
-    def _update_child(self, child: ChildState, output: EngineCoreOutput) -> bool:
+    def _update_child(self, child: ChildState, output: EngineCoreOutput, weight_version: str | None) -> bool:
         """Apply one engine output to a completion; True when a stop string ended it."""
         parent = child.parent
         completion = parent.completions[child.index]
+        versions = child.weight_versions
+        if weight_version != versions.version and weight_version is not None and output.new_token_ids:
+            versions.start(weight_version, len(completion.token_ids))
         completion.token_ids.extend(output.new_token_ids)
         parent.num_cached_tokens = output.num_cached_tokens
         if output.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
@@ -161,6 +202,7 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", stop_string
         if finish_reason is not None:
             completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
+            completion.weight_versions = versions.spans(0, len(completion.token_ids))
             parent.num_finished += 1
             self.children.pop(output.request_id, None)
             if parent.finished:
@@ -176,7 +218,9 @@ class OutputProcessor:
         elif parent.output_kind == OutputKind.DELTA:
             completions = [self._delta(child)]
         else:
-            completions = [parent.completions[child.index]]
+            completion = parent.completions[child.index]
+            completion.weight_versions = child.weight_versions.spans(0, len(completion.token_ids))
+            completions = [completion]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -191,6 +235,9 @@ class OutputProcessor:
         """What is new in a completion since it was last streamed."""
         full = child.parent.completions[child.index]
         finished = full.finish_reason is not None
+        versions, first, end = child.weight_versions, child.num_sent_tokens, len(full.token_ids)
+        # The cached spans without a call: every streamed token takes this path.
+        spans = versions.cached_spans if end - first == versions.cached_length else versions.spans(first, end)
         delta = CompletionOutput(
             index=full.index,
             text=child.detokenizer.text_delta(finished),
@@ -199,6 +246,7 @@ class OutputProcessor:
             logprobs=full.logprobs[child.num_sent_logprobs :] if full.logprobs is not None else None,
             finish_reason=full.finish_reason,
             stop_reason=full.stop_reason,
+            weight_versions=spans,
         )
         child.num_sent_tokens = len(full.token_ids)
         child.num_sent_logprobs = len(full.logprobs or ())

@@ -17,7 +17,7 @@ loaded into one fused qkv_proj and gate/up_proj into one fused gate_up_proj.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ from shoal.models.utils import head_dim_of, layer_index, warn_if_sliding_window
 logger = logging.getLogger(__name__)
 
 IntermediateTensors = dict[str, torch.Tensor]
+# (layer index, parameter prefix) -> the layer's MLP, or None for the dense one.
+BuildMlp = Callable[[int, str], "nn.Module | None"]
 
 # Checkpoint projections fused into one parameter: (fused name, checkpoint name, shard id).
 STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
@@ -161,11 +163,19 @@ class LlamaDecoderLayer(nn.Module):
         attention_cls: type[LlamaAttention],
         quant_config: Fp8Config | None = None,
         prefix: str = "",
+        mlp: nn.Module | None = None,
     ):
+        """`mlp`: the layer's MLP when it is not the dense SwiGLU one (a mixture of experts)."""
         super().__init__()
         self.self_attn = attention_cls(config, rotary_emb, quant_config, prefix=f"{prefix}.self_attn")
+        self.mlp = mlp if mlp is not None else self._dense_mlp(config, quant_config, prefix)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    @staticmethod
+    def _dense_mlp(config: Any, quant_config: Fp8Config | None, prefix: str) -> LlamaMLP:
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.mlp = LlamaMLP(
+        return LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             mlp_bias,
@@ -173,8 +183,6 @@ class LlamaDecoderLayer(nn.Module):
             quant_config,
             prefix=f"{prefix}.mlp",
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -198,7 +206,9 @@ class LlamaModel(nn.Module):
         attention_cls: type[LlamaAttention],
         pipeline_layer_partition: tuple[int, ...] | None = None,
         quant_config: Fp8Config | None = None,
+        build_mlp: BuildMlp | None = None,
     ):
+        """`build_mlp(layer_index, prefix)`: a layer's MLP, or None for the dense one."""
         super().__init__()
         warn_if_sliding_window(config)
         pp = get_pp_group()
@@ -212,7 +222,14 @@ class LlamaModel(nn.Module):
         self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_params_from_config(config))
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(config, self.rotary_emb, attention_cls, quant_config, f"model.layers.{i}")
+                str(i): LlamaDecoderLayer(
+                    config,
+                    self.rotary_emb,
+                    attention_cls,
+                    quant_config,
+                    f"model.layers.{i}",
+                    build_mlp(i, f"model.layers.{i}.mlp") if build_mlp is not None else None,
+                )
                 for i in range(self.start_layer, self.end_layer)
             }
         )
@@ -255,12 +272,18 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config = hf_config
+        self.quant_config = quant_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, self.attention_cls, pipeline_layer_partition, quant_config)
+        self.model = LlamaModel(hf_config, self.attention_cls, pipeline_layer_partition, quant_config, self.build_mlp)
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
             if self.tie_word_embeddings and self.model.is_first_stage:
                 self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
+        """The MLP of decoder layer `layer_index` (parameter prefix `prefix`); None: the dense
+        SwiGLU MLP. Mixture-of-experts models return their expert block for their MoE layers."""
+        return None
 
     def forward(
         self,

@@ -10,11 +10,20 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("shoal.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("shoal.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("shoal.models.qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("shoal.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("shoal.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("shoal.models.qwen_moe", "Qwen3MoeForCausalLM"),
 }
+# The architectures with mixture-of-experts layers (what `enable_expert_parallel` applies to).
+_MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 def supported_architectures() -> set[str]:
     return set(_MODELS)
+
+
+def is_moe_architecture(architecture: str) -> bool:
+    return architecture in _MOE_ARCHITECTURES
 
 
 def resolve_model_class(architecture: str) -> type:

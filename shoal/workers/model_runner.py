@@ -21,6 +21,7 @@ stage computes logits and samples.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +135,27 @@ class ModelRunner:
             self._model, self.buffers, self.config.scheduler_config.max_num_seqs, self.model_config.max_model_len
         )
         self.cuda_graphs.capture()
+
+    def drop_cuda_graphs(self) -> None:
+        """Forget the decode graphs (the tensors whose addresses they hold are about to move);
+        `capture_cuda_graphs` makes new ones."""
+        self.cuda_graphs = None
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Run every module's `warm_up_kernels(max_num_tokens)` hook (GPU): a mixture-of-experts
+        layer compiles its Triton kernels for every launch configuration that steps of up to
+        `max_num_batched_tokens` tokens can pick, so that no step of a run compiles one."""
+        if self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        max_num_tokens = self.config.scheduler_config.max_num_batched_tokens
+        hooks = [m.warm_up_kernels for m in self._model.modules() if callable(getattr(m, "warm_up_kernels", None))]
+        for warm_up in hooks:
+            warm_up(max_num_tokens)
+        if hooks:
+            torch.cuda.synchronize(self.device)
+            logger.info("Warmed up the kernels of %d layers in %.1f s", len(hooks), time.perf_counter() - start)
 
     @torch.inference_mode()
     def warm_up_logits(self) -> None:

@@ -2,7 +2,8 @@
 
 The same class runs in the engine-core process (`UniProcExecutor`) and inside a Ray actor
 (`RayExecutor`), one per GPU or CPU bundle. Start-up: `init_device`, then (several workers only)
-`init_distributed`, then `load_model`. After a peer's death the survivors `leave_distributed`
+`init_distributed`, then `load_model`. `sleep` / `wake_up` free and restore the weights' and KV
+cache's memory (shoal/workers/sleep.py). After a peer's death the survivors `leave_distributed`
 and join the new world with the peer's replacement (see docs/fault_tolerance.md).
 """
 
@@ -22,6 +23,7 @@ from shoal.engine_core.batch import SchedulerOutput
 from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
+from shoal.workers.sleep import KV_CACHE, WEIGHTS, WorkerSleep
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class Worker:
         self.local_rank = local_rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        self.sleep_state: WorkerSleep | None = None
         self.profiler = StepProfiler(rank)
 
     # ---- start-up ------------------------------------------------------------------------
@@ -50,6 +53,7 @@ class Worker:
             logger.info("CPU worker: %d torch threads", torch.get_num_threads())
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+        self.sleep_state = WorkerSleep(self.model_runner, self.config.model_config.enable_sleep_mode)
 
     def init_distributed(
         self, init_method: str, nccl_unique_ids: dict[tuple[int, ...], NcclUniqueId] | None = None
@@ -59,11 +63,16 @@ class Worker:
         parallel = self.config.parallel_config
         parallel_state.init_distributed_environment(parallel.world_size, self.rank, init_method)
         parallel_state.initialize_model_parallel(
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.device, nccl_unique_ids
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            self.device,
+            nccl_unique_ids,
+            enable_expert_parallel=parallel.enable_expert_parallel,
         )
 
     def load_model(self) -> None:
-        self.runner.load_model()
+        with self.sleeper.allocating(WEIGHTS):
+            self.runner.load_model()
 
     def leave_distributed(self) -> None:
         """A peer died and is being re-created: forget every request, the KV cache and the CUDA
@@ -80,6 +89,7 @@ class Worker:
         parallel_state.destroy_model_parallel()
         self.model_runner = ModelRunner(self.config, self.device)
         self.model_runner.model = model
+        self.sleeper.runner = self.model_runner  # (the engine never restarts workers while asleep)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit in this worker's budget (CPU: a fixed byte budget; GPU:
@@ -107,9 +117,11 @@ class Worker:
         return block_bytes * blocks_per_seq * self.config.scheduler_config.max_num_seqs
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode CUDA graphs (GPU) over it and meet the
-        LM head's row counts."""
-        self.runner.initialize_kv_cache(num_blocks)
+        """Allocate the KV cache, compile the model's own kernels (GPU), then capture the decode
+        CUDA graphs over it and meet the LM head's row counts."""
+        with self.sleeper.allocating(KV_CACHE):
+            self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_logits()
 
@@ -132,6 +144,19 @@ class Worker:
     def check_health(self) -> bool:
         return True
 
+    def sleep(self, level: int = 1) -> int:
+        """Free the device memory of the weights (level 1: kept in pinned host memory; level 2:
+        discarded) and of the KV cache; returns the bytes freed."""
+        return self.sleeper.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore the parts `tags` names ("weights", "kv_cache") that are asleep."""
+        self.sleeper.wake_up(tags)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold on this worker's device now."""
+        return self.sleeper.resident_bytes()
+
     def start_profile(self, profile_dir: str) -> None:
         """torch.profiler on this worker's steps from now on (see shoal/workers/profiler.py)."""
         self.profiler.start(profile_dir)
@@ -149,8 +174,15 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone
         if self.config.parallel_config.world_size > 1:
             parallel_state.destroy_model_parallel()
+
+    @property
+    def sleeper(self) -> WorkerSleep:
+        if self.sleep_state is None:
+            raise RuntimeError("the worker's device is not initialized (call init_device first)")
+        return self.sleep_state
 
     @property
     def runner(self) -> ModelRunner:

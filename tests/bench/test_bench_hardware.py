@@ -94,9 +94,38 @@ def test_shapes_match_transformers(tiny_checkpoints: dict[str, Path]) -> None:
         assert shape.num_params == model.num_parameters(), kind
 
 
+def test_moe_shapes_match_transformers(moe_checkpoints: dict[str, Path]) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for kind, path in moe_checkpoints.items():
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert ModelShape.from_hf_config(config, "float32").num_params == model.num_parameters(), kind
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_touch() -> None:
+    from transformers import AutoConfig
+
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(CONFIGS / "qwen3-30b-a3b"), "bfloat16")
+    assert (shape.num_moe_layers, shape.num_experts, shape.experts_per_token) == (48, 128, 8)
+    assert shape.experts_touched(1) == 8 and 127.9 < shape.experts_touched(1024) <= 128
+    active = shape.layer_params + shape.embed_params + shape.lm_head_params
+    assert 3.3e9 < active < 3.4e9  # "A3B": 3.3B parameters a token goes through
+    expert_layer_bytes = 48 * shape.expert_bytes
+    assert shape.weight_bytes_for(1) == pytest.approx(shape.weight_bytes + 8 * expert_layer_bytes)
+    assert shape.weight_bytes_for(4096) == pytest.approx(shape.weight_bytes + 128 * expert_layer_bytes)
+
+
 @pytest.mark.parametrize(
     ("name", "num_params", "kv_kib_per_token"),
-    [("llama-3.1-8b", 8_030_261_248, 128), ("qwen3-0.6b", 596_049_920, 112), ("qwen3-8b", 8_190_735_360, 144)],
+    [
+        ("llama-3.1-8b", 8_030_261_248, 128),
+        ("qwen3-0.6b", 596_049_920, 112),
+        ("qwen3-8b", 8_190_735_360, 144),
+        ("qwen3-30b-a3b", 30_532_122_624, 96),
+    ],
 )
 def test_shipped_configs(name: str, num_params: int, kv_kib_per_token: int) -> None:
     from shoal.config import EngineArgs

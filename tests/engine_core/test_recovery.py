@@ -1,8 +1,8 @@
 """What the engine core does when workers die: the scheduler requeues every running request
 for recompute (their tokens kept, the lost steps forgotten, nothing leaked), the restart budget
 allows `max_worker_restarts` restarts within any window, and `EngineCore` (over a stand-in
-executor) restarts, or shuts down and raises `EngineDeadError` past the budget or after an
-in-place weight update."""
+executor) restarts, or shuts down and raises `EngineDeadError` past the budget, after an
+in-place weight update or while asleep."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ class FlakyExecutor(Executor):
         return 64
 
     def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
-        return []
+        return [0]  # (a worker's answer: `sleep` returns the bytes it freed)
 
     def execute_model(self, scheduler_output, non_block=False):
         if self.dying:
@@ -200,4 +200,14 @@ def test_engine_core_never_restarts_after_an_in_place_weight_update(engine: Engi
     executor.kill()
     with pytest.raises(EngineDeadError, match="weights were updated in place"):
         engine.step()
+    assert executor.restarts == [] and executor.is_shut_down
+
+
+def test_engine_core_never_restarts_while_asleep(engine: EngineCore) -> None:
+    executor = engine.executor
+    assert isinstance(executor, FlakyExecutor)
+    engine.sleep(level=1)
+    executor.kill()
+    with pytest.raises(EngineDeadError, match="the engine is asleep"):
+        engine.check_health()
     assert executor.restarts == [] and executor.is_shut_down

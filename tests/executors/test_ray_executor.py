@@ -108,6 +108,31 @@ def test_parallel_greedy_matches_tp1_and_hf(ray_cluster: dict, tiny_checkpoints:
         llm.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp", "expert_parallel"),
+    [
+        ("mixtral", 2, 1, False),  # every expert's intermediate dimension split in two
+        ("qwen2_moe", 2, 1, True),  # experts 0-3 on rank 0, 4-7 on rank 1; the shared expert split
+        ("qwen3_moe", 1, 2, False),
+    ],
+)
+def test_moe_parallel_greedy_matches_tp1_and_hf(
+    ray_cluster: dict, moe_checkpoints: dict, kind: str, tp: int, pp: int, expert_parallel: bool
+):
+    path = str(moe_checkpoints[kind])
+    llm = LLM(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=expert_parallel, **ENGINE_ARGS
+    )
+    try:
+        assert llm.engine_core.core.executor.config.parallel_config.enable_expert_parallel == expert_parallel
+        check_generation(llm, path, pp)
+        if expert_parallel:
+            local = llm.collective_rpc(lambda w: w.model_runner.model.model.layers["0"].mlp.experts.num_local_experts)
+            assert local == [4, 4]
+    finally:
+        llm.shutdown()
+
+
 def check_generation(llm: LLM, path: str, pp: int) -> None:
     probe = BatchQueueProbe(llm)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(llm)], PARAMS, use_tqdm=False)

@@ -17,7 +17,9 @@ def test_small_example_by_hand():
     assert num_post.tolist() == [16]
 
 
-@pytest.mark.parametrize("num_tokens,topk,num_experts,block_size", [(1, 1, 4, 16), (37, 2, 8, 4), (200, 8, 64, 16)])
+@pytest.mark.parametrize(
+    "num_tokens,topk,num_experts,block_size", [(1, 1, 4, 16), (37, 2, 8, 4), (200, 8, 64, 16), (90, 8, 1500, 16)]
+)
 def test_every_entry_lands_once_in_its_experts_blocks(num_tokens, topk, num_experts, block_size):
     topk_ids = torch.randint(0, num_experts, (num_tokens, topk))
     topk_ids[0, 0] = -1  # an expert on another rank: skipped
@@ -49,7 +51,7 @@ def _canonical(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, block_size: i
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,topk", [(1, 1), (17, 2), (256, 8), (4096, 8)])
-@pytest.mark.parametrize("num_experts,block_size", [(8, 16), (64, 64), (256, 16)])
+@pytest.mark.parametrize("num_experts,block_size", [(8, 16), (64, 64), (256, 16), (512, 64), (2048, 16)])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_moe_align_block_size_csrc_matches_reference(num_tokens, topk, num_experts, block_size, id_dtype):
     topk_ids = torch.randint(0, num_experts, (num_tokens, topk), device="cuda", dtype=id_dtype)
@@ -65,3 +67,14 @@ def test_moe_align_block_size_csrc_matches_reference(num_tokens, topk, num_exper
     assert torch.equal(num_post, expected[2])
     assert torch.equal(expert_ids, expected[1])
     assert torch.equal(_canonical(sorted_ids, expert_ids, block_size), _canonical(expected[0], expected[1], block_size))
+
+
+@pytest.mark.gpu
+def test_moe_align_block_size_csrc_refuses_more_experts_than_shared_memory_holds():
+    topk_ids = torch.zeros(4, 2, dtype=torch.int32, device="cuda")
+    outputs = (
+        torch.empty(8 + 9000 * 15, dtype=torch.int32, device="cuda"),
+        torch.empty(9000, dtype=torch.int32, device="cuda"),
+    )
+    with pytest.raises(RuntimeError, match="experts, got 9000"):
+        csrc_op("moe_align_block_size")(topk_ids, 9000, 16, *outputs, torch.empty(1, dtype=torch.int32, device="cuda"))

@@ -3,7 +3,8 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`
 (503 once the engine is dead), `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`,
-`GET /version` (with the engine core's pid). With an API key every route but `/health`,
+`GET /version` (with the engine core's pid). With `enable_rl_endpoints`, the RL rollout routes
+of `rl_routes.py` (sleep / wake_up, pause / resume). With an API key every route but `/health`,
 `/metrics` and `/version` needs `Authorization: Bearer <key>`.
 """
 
@@ -67,6 +68,8 @@ class ServerArgs:
     uvicorn_log_level: str = "info"
     access_log: bool = True
     graceful_shutdown_timeout_s: int = 5
+    # The RL rollout routes (sleep, wake_up, pause, resume, ...): off unless asked for.
+    enable_rl_endpoints: bool = False
 
 
 @dataclass
@@ -115,6 +118,10 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
     app.include_router(router)
     if envs.SHOAL_TORCH_PROFILER_DIR:  # as vLLM: the profiler routes exist only when asked for
         app.include_router(profiler_router)
+    if args.enable_rl_endpoints:
+        from shoal.entrypoints.openai import rl_routes
+
+        app.include_router(rl_routes.router)
     install_exception_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=args.max_request_body_bytes)
     if args.api_key:

@@ -40,6 +40,7 @@ def register_triton_kernels() -> bool:
         logger.debug("triton is not installed: no Triton kernels")
         return False
     from shoal.kernels.dispatch import register_kernel
+    from shoal.kernels.triton.fused_moe import triton_fused_moe
     from shoal.kernels.triton.gemv import triton_gemv
     from shoal.kernels.triton.paged_attention import triton_paged_attention
     from shoal.kernels.triton.rope_and_cache import triton_rope_and_cache
@@ -49,4 +50,5 @@ def register_triton_kernels() -> bool:
     register_kernel("gumbel_sample", triton_gumbel_sample)
     register_kernel("gemv", triton_gemv)
     register_kernel("rope_and_cache", triton_rope_and_cache)
+    register_kernel("fused_moe", triton_fused_moe)
     return True

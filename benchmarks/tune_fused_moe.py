@@ -1,0 +1,210 @@
+"""Tune the fused-MoE kernels' launch configurations for one model shape on this GPU and write
+the table the engine reads (shoal/kernels/triton/fused_moe_config.py).
+
+For each batch size of the table's grid it times every candidate launch of the gate_up GEMM and
+of the down GEMM (random routing, the model's top_k), per row-block size BLOCK_SIZE_M (shared by
+both, as one alignment pads for both), and keeps the fastest pair. Candidates that do not
+compile or fit in shared memory are skipped. A table holds every launch a run may pick, so the
+engine compiles them all at start-up and never inside a timed run.
+
+    python benchmarks/tune_fused_moe.py --model benchmarks/configs/qwen3-30b-a3b [--tp 2 | --ep 2]
+        [--dtype bfloat16] [--search quick|full] [--out-dir shoal/kernels/triton/fused_moe_configs]
+    python benchmarks/tune_fused_moe.py --model ... --heuristic   # the heuristic's table, no GPU
+
+--max-seconds stops the search early: batch sizes not reached keep the heuristic's launch.
+The written file is named E={experts},N={intermediate per rank},device_name={gpu},dtype={dtype}.json;
+a JSON summary (per batch size: the chosen launch, its time and the heuristic's) goes to --summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shoal.kernels.triton.fused_moe_config import (  # noqa: E402
+    CONFIG_DIR,
+    TOKEN_COUNTS,
+    MoEGemmConfig,
+    MoELaunch,
+    config_file_name,
+    device_name,
+    heuristic_launch,
+)
+from shoal.layers.moe.routing import num_routed_experts  # noqa: E402
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One rank's experts: `num_experts` of [2 * intermediate, hidden] and [hidden, intermediate]."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+
+
+def shape_of(model_dir: str, tp: int, ep: int) -> MoEShape:
+    """The MoE layer shape of one rank: experts split by --ep, their intermediate size by --tp."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    intermediate = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    num_experts = num_routed_experts(config)
+    if num_experts % ep or intermediate % tp:
+        raise SystemExit(f"{num_experts} experts / ep={ep} or intermediate {intermediate} / tp={tp} does not divide")
+    return MoEShape(num_experts // ep, int(config.num_experts_per_tok), int(config.hidden_size), intermediate // tp)
+
+
+def candidates(search: str) -> tuple[list[int], list[MoEGemmConfig]]:
+    """(BLOCK_SIZE_M values, GEMM launches) to time."""
+    if search == "full":
+        block_m, block_n, block_k = [16, 32, 64, 128], [32, 64, 128, 256], [64, 128, 256]
+        groups, warps, stages = [1, 8, 16], [4, 8], [2, 3, 4, 5]
+    else:
+        block_m, block_n, block_k = [16, 32, 64, 128], [64, 128, 256], [64, 128]
+        groups, warps, stages = [1, 16], [4, 8], [3, 4]
+    gemms = [
+        MoEGemmConfig(n, k, g, w, s) for n, k, g, w, s in itertools.product(block_n, block_k, groups, warps, stages)
+    ]
+    return block_m, gemms
+
+
+class Case:
+    """Random inputs of one batch size, aligned once per BLOCK_SIZE_M."""
+
+    def __init__(self, shape: MoEShape, num_tokens: int, dtype: torch.dtype) -> None:
+        from shoal.kernels.moe_align_block_size import moe_align_block_size
+
+        self._align = moe_align_block_size
+        self.shape, self.num_tokens = shape, num_tokens
+        device = torch.device("cuda")
+        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+        self.x = torch.randn(num_tokens, h, device=device, dtype=dtype)
+        self.w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5
+        self.w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5
+        scores = torch.rand(num_tokens, e, device=device)
+        self.topk_ids = scores.topk(shape.top_k, dim=-1).indices
+        self.weights = torch.rand(num_tokens * shape.top_k, device=device)
+        entries = num_tokens * shape.top_k
+        self.gate_up = torch.empty(entries, 2 * i, device=device, dtype=dtype)
+        self.activated = torch.randn(entries, i, device=device, dtype=dtype)
+        self.down = torch.empty(entries, h, device=device, dtype=dtype)
+        self._routing: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def routing(self, block_m: int) -> tuple[torch.Tensor, ...]:
+        if block_m not in self._routing:
+            self._routing[block_m] = self._align(self.topk_ids, self.shape.num_experts, block_m)
+        return self._routing[block_m]
+
+    def time_gemm(self, which: str, block_m: int, config: MoEGemmConfig) -> float:
+        """Microseconds of one launch of the gate_up or down GEMM; inf when it does not run."""
+        import triton
+
+        from shoal.kernels.triton.fused_moe import invoke_moe_gemm
+
+        if which == "gate_up":
+            args = (self.x, self.w13, self.gate_up, self.weights, self.routing(block_m), self.shape.top_k, False)
+        else:
+            args = (self.activated, self.w2, self.down, self.weights, self.routing(block_m), 1, True)
+        try:
+            return 1e3 * triton.testing.do_bench(lambda: invoke_moe_gemm(*args, block_m, config), warmup=5, rep=25)
+        except Exception as exc:  # out of resources, a compile error: not a candidate
+            if "out of resource" not in str(exc).lower() and "shared memory" not in str(exc).lower():
+                print(f"  skipped {which} BLOCK_SIZE_M={block_m} {config}: {type(exc).__name__}: {exc}"[:300])
+            return float("inf")
+
+
+# A launch already in the table wins over a new one this close to the fastest: each distinct
+# launch is one more kernel the engine compiles at start-up.
+REUSE_TOLERANCE = 0.03
+
+
+def pick(timed: list[tuple[float, MoEGemmConfig]], known: set[MoEGemmConfig]) -> tuple[float, MoEGemmConfig]:
+    """The fastest candidate, or a known one within REUSE_TOLERANCE of it."""
+    best = min(timed, key=lambda t: t[0])
+    reusable = [t for t in timed if t[1] in known and t[0] <= best[0] * (1 + REUSE_TOLERANCE)]
+    return min(reusable, key=lambda t: t[0]) if reusable else best
+
+
+def tune_one(
+    case: Case, block_ms: list[int], gemms: list[MoEGemmConfig], known: set[MoEGemmConfig]
+) -> tuple[MoELaunch, float]:
+    """The fastest (launch, microseconds of both GEMMs) for one batch size."""
+    best: tuple[MoELaunch, float] | None = None
+    rows_per_expert = case.num_tokens * case.shape.top_k / case.shape.num_experts
+    for block_m in block_ms:
+        if block_m > 16 and block_m > 4 * max(rows_per_expert, 1):
+            continue  # mostly padding: never the fastest
+        timed = {w: pick([(case.time_gemm(w, block_m, g), g) for g in gemms], known) for w in ("gate_up", "down")}
+        total = timed["gate_up"][0] + timed["down"][0]
+        if best is None or total < best[1]:
+            best = (MoELaunch(block_m, timed["gate_up"][1], timed["down"][1]), total)
+    assert best is not None
+    known.update((best[0].gate_up, best[0].down))
+    return best
+
+
+def time_launch(case: Case, launch: MoELaunch) -> float:
+    return case.time_gemm("gate_up", launch.block_size_m, launch.gate_up) + case.time_gemm(
+        "down", launch.block_size_m, launch.down
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a folder with the model's config.json")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits the intermediate size)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (splits the experts)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--search", default="quick", choices=("quick", "full"))
+    parser.add_argument("--token-counts", type=int, nargs="*", default=list(TOKEN_COUNTS))
+    parser.add_argument("--out-dir", default=str(CONFIG_DIR))
+    parser.add_argument("--device-name", default=None, help="the GPU name in the file name (default: this GPU's)")
+    parser.add_argument("--heuristic", action="store_true", help="write the heuristic's table without timing")
+    parser.add_argument("--max-seconds", type=float, default=480.0)
+    parser.add_argument("--summary", default=None, help="write a JSON summary here")
+    args = parser.parse_args()
+
+    shape = shape_of(args.model, args.tp, args.ep)
+    device = args.device_name or (device_name(torch.device("cuda")) if torch.cuda.is_available() else "cpu")
+    table = {count: heuristic_launch(count, shape.num_experts, shape.top_k) for count in args.token_counts}
+    summary: dict[str, dict] = {}
+    if not args.heuristic:
+        start, block_ms, gemms = time.perf_counter(), *candidates(args.search)
+        dtype, known = getattr(torch, args.dtype), set[MoEGemmConfig]()
+        for count in args.token_counts:
+            if time.perf_counter() - start > args.max_seconds:
+                print(f"--max-seconds reached: {count} tokens and more keep the heuristic's launch")
+                break
+            case = Case(shape, count, dtype)
+            launch, micros = tune_one(case, block_ms, gemms, known)
+            heuristic_micros = time_launch(case, table[count])
+            table[count] = launch
+            summary[str(count)] = {"launch": launch.to_json(), "us": micros, "heuristic_us": heuristic_micros}
+            print(f"{count:6d} tokens: {micros:9.1f} us (heuristic {heuristic_micros:9.1f} us)  {launch}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+    path = Path(args.out_dir) / config_file_name(shape.num_experts, shape.intermediate, device, args.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f'  "{count}": {json.dumps(launch.to_json())}' for count, launch in sorted(table.items())]
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # one batch size a line
+    print(f"wrote {path}")
+    if args.summary:
+        Path(args.summary).write_text(
+            json.dumps({"shape": shape.__dict__, "device": device, "table": summary}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""`fused_moe` on the GPU: the routed experts as two grouped GEMMs over tokens sorted by expert
+(semantics and reference: shoal/kernels/fused_moe.py).
+
+1. `moe_align_block_size` (csrc) sorts the (token, choice) entries by expert and pads each
+   expert's group to a multiple of BLOCK_SIZE_M rows, so that every block of BLOCK_SIZE_M rows
+   belongs to one expert (`expert_ids[block]`).
+2. gate_up: a program computes a [BLOCK_SIZE_M, BLOCK_SIZE_N] tile of
+   x[entry // top_k] @ w13[expert]^T, gathering its rows of x by `sorted_token_ids` and writing
+   them at the entries' own rows (cache1 [num_entries, 2I]); padding rows are neither read nor
+   written.
+3. silu_and_mul (csrc): cache2 [num_entries, I].
+4. down: the same kernel on cache2 (its rows are the entries themselves) and w2, each row
+   multiplied in the epilogue by its routing weight (cache3 [num_entries, hidden]).
+5. The top-k reduction: out[t] = sum_j cache3[t * top_k + j], one torch.sum (fp32 accumulation,
+   deterministic: no atomics).
+
+Launch configurations (tile sizes, warps, stages) depend on the number of tokens and are read
+ahead of time from the tables in fused_moe_config.py, one per (experts, intermediate size,
+dtype, device), tuned by benchmarks/tune_fused_moe.py. `warm_up` compiles every configuration
+a table can pick at engine start-up. Integer arguments that change from step to step are in
+`do_not_specialize`, so a new batch size never compiles a new variant. Nothing here reads back
+to the host, so a decode step's launches can be captured in a CUDA graph.
+
+A quantized variant (block fp8) reuses `_tile_rows` (which rows and expert a program owns) and
+`_store_tile` (the routed-weight epilogue and the scattered store), and adds its own K loop
+with its scales.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.kernels.fused_moe import local_expert_ids
+from shoal.kernels.moe_align_block_size import moe_align_block_size
+from shoal.kernels.silu_and_mul import silu_and_mul
+from shoal.kernels.triton.fused_moe_config import MoEGemmConfig, MoELaunch, moe_launch_for
+
+
+@triton.jit
+def _tile_rows(
+    pid,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    num_rows_padded,
+    N,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    """The tile of program `pid`: (in_use, pid_n, entries [BLOCK_SIZE_M], expert). Programs run
+    GROUP_SIZE_M row blocks per column of tiles so that consecutive programs share the expert's
+    weight tiles in L2. `in_use` is False for row blocks past the padded groups (the grid is
+    sized for the most rows any routing can need, so it does not depend on the routing)."""
+    num_pid_m = tl.cdiv(num_rows_padded, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    in_use = pid_m * BLOCK_SIZE_M < tl.load(num_tokens_post_padded_ptr)
+    # In use, the whole block lies inside the padded groups, whose length is a multiple of
+    # BLOCK_SIZE_M and at most num_rows_padded: the loads need no mask.
+    entries = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M), mask=in_use, other=0)
+    expert = tl.load(expert_ids_ptr + pid_m, mask=in_use, other=0).to(tl.int64)
+    return in_use, pid_n, entries, expert
+
+
+@triton.jit
+def _store_tile(
+    acc,
+    c_ptr,
+    topk_weights_ptr,
+    entries,
+    is_entry,
+    offs_n,
+    N,
+    stride_cm,
+    stride_cn,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+):
+    """Write acc [BLOCK_SIZE_M, BLOCK_SIZE_N] at the rows of its entries (padding rows skipped),
+    each multiplied by its entry's routing weight with MUL_ROUTED_WEIGHT."""
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + entries, mask=is_entry, other=0.0)
+        acc = acc * weight[:, None]
+    c_ptrs = c_ptr + entries.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=is_entry[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["num_rows_padded", "num_entries"])
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    num_rows_padded,
+    num_entries,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    A_ROWS_PER_ENTRY: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """c[entry, n] = sum_k a[entry // A_ROWS_PER_ENTRY, k] * b[expert, n, k] (* weight[entry])
+    for the entries of this program's row block; b is [num_experts, N, K] (K contiguous).
+
+    A_ROWS_PER_ENTRY is top_k for gate_up (an entry reads its token's row of x) and 1 for down
+    (an entry reads its own row of the activations). DOT_PRECISION is "ieee" for float32
+    (tl.dot would round it to tf32, and float32 runs are compared with transformers exactly),
+    "tf32" otherwise (ignored for half types)."""
+    in_use, pid_n, entries, expert = _tile_rows(
+        tl.program_id(0),
+        sorted_token_ids_ptr,
+        expert_ids_ptr,
+        num_tokens_post_padded_ptr,
+        num_rows_padded,
+        N,
+        BLOCK_SIZE_M,
+        BLOCK_SIZE_N,
+        GROUP_SIZE_M,
+    )
+    if not in_use:
+        return
+    is_entry = entries < num_entries  # padding rows hold num_entries
+    a_rows = (entries // A_ROWS_PER_ENTRY).to(tl.int64)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    # Columns past N read row N - 1 again (in bounds, never stored): the loads of b need no mask on N.
+    offs_bn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        k_left = K - k * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=is_entry[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+    _store_tile(acc, c_ptr, topk_weights_ptr, entries, is_entry, offs_n, N, stride_cm, stride_cn, MUL_ROUTED_WEIGHT)
+
+
+def invoke_moe_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    a_rows_per_entry: int,
+    mul_routed_weight: bool,
+    block_size_m: int,
+    config: MoEGemmConfig,
+) -> None:
+    """c [num_entries, N] = the grouped GEMM of a's rows with b [num_experts, N, K] (see the kernel).
+    `routing` is moe_align_block_size's (sorted_token_ids, expert_ids, num_tokens_post_padded)."""
+    sorted_token_ids, expert_ids, num_tokens_post_padded = routing
+    N, K = b.shape[1], b.shape[2]
+    num_rows_padded = sorted_token_ids.numel()
+    grid = (triton.cdiv(num_rows_padded, block_size_m) * triton.cdiv(N, config.block_size_n),)
+    _moe_gemm_kernel[grid](
+        a, b, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        N, K, num_rows_padded, c.shape[0],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        A_ROWS_PER_ENTRY=a_rows_per_entry,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        BLOCK_SIZE_M=block_size_m,
+        BLOCK_SIZE_N=config.block_size_n,
+        BLOCK_SIZE_K=config.block_size_k,
+        GROUP_SIZE_M=config.group_size_m,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def triton_fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    launch: MoELaunch | None = None,
+) -> torch.Tensor:
+    """The registered "fused_moe" kernel: `fused_moe_ref`'s arguments and result. `launch`
+    overrides the tuned configuration (tests, the tuner)."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, intermediate2, hidden = w13.shape
+    if launch is None:
+        launch = moe_launch_for(num_experts, intermediate2 // 2, hidden_states.dtype, hidden_states.device, num_tokens)
+    ids = local_expert_ids(topk_ids, expert_map)
+    routing = moe_align_block_size(ids, num_experts, launch.block_size_m)
+    weights = topk_weights.to(torch.float32).reshape(-1)  # [num_entries], entry = token * top_k + j
+    num_entries = num_tokens * top_k
+    device, dtype = hidden_states.device, hidden_states.dtype
+    gate_up = torch.empty(num_entries, intermediate2, device=device, dtype=dtype)
+    invoke_moe_gemm(hidden_states, w13, gate_up, weights, routing, top_k, False, launch.block_size_m, launch.gate_up)
+    activated = torch.empty(num_entries, intermediate2 // 2, device=device, dtype=dtype)
+    silu_and_mul(activated, gate_up)
+    # Choices of another rank's experts are never written: their rows must read as zero.
+    alloc = torch.empty if expert_map is None else torch.zeros
+    down = alloc(num_entries, hidden, device=device, dtype=dtype)
+    invoke_moe_gemm(activated, w2, down, weights, routing, 1, True, launch.block_size_m, launch.down)
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)  # [num_tokens, hidden]
