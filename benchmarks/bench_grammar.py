@@ -46,28 +46,70 @@ COVERAGE_CASES: dict[str, tuple[str, Any]] = {
     ),
     "json: integer and number bounds": (
         "json",
-        {"type": "object", "properties": {"i": {"type": "integer", "minimum": 3, "maximum": 17}, "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}},
+        {
+            "type": "object",
+            "properties": {
+                "i": {"type": "integer", "minimum": 3, "maximum": 17},
+                "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            },
+        },
     ),
-    "json: enum, const": ("json", {"type": "object", "properties": {"e": {"enum": ["a", 1, None]}, "c": {"const": "k"}}}),
+    "json: enum, const": (
+        "json",
+        {"type": "object", "properties": {"e": {"enum": ["a", 1, None]}, "c": {"const": "k"}}},
+    ),
     "json: string length, pattern": (
         "json",
-        {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 5, "pattern": "^[a-z]+$"}}},
+        {
+            "type": "object",
+            "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 5, "pattern": "^[a-z]+$"}},
+        },
     ),
     "json: string formats (date-time, email, uuid)": (
         "json",
-        {"type": "object", "properties": {"d": {"type": "string", "format": "date-time"}, "m": {"type": "string", "format": "email"}, "u": {"type": "string", "format": "uuid"}}},
+        {
+            "type": "object",
+            "properties": {
+                "d": {"type": "string", "format": "date-time"},
+                "m": {"type": "string", "format": "email"},
+                "u": {"type": "string", "format": "uuid"},
+            },
+        },
     ),
-    "json: arrays with minItems/maxItems": ("json", {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}),
-    "json: prefixItems (tuples)": ("json", {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False}),
-    "json: anyOf / oneOf": ("json", {"anyOf": [{"type": "string"}, {"type": "integer"}], "oneOf": [{"type": "string"}, {"type": "integer"}]}),
-    "json: allOf": ("json", {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]}),
+    "json: arrays with minItems/maxItems": (
+        "json",
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+    ),
+    "json: prefixItems (tuples)": (
+        "json",
+        {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
+    ),
+    "json: anyOf / oneOf": (
+        "json",
+        {"anyOf": [{"type": "string"}, {"type": "integer"}], "oneOf": [{"type": "string"}, {"type": "integer"}]},
+    ),
+    "json: allOf": (
+        "json",
+        {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]},
+    ),
     "json: $ref / $defs (recursive)": (
         "json",
-        {"$defs": {"node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}}}, "$ref": "#/$defs/node"},
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
     ),
     "json: additionalProperties schema": ("json", {"type": "object", "additionalProperties": {"type": "integer"}}),
     "json: patternProperties": ("json", {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}}),
-    "json: minProperties / maxProperties": ("json", {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2}),
+    "json: minProperties / maxProperties": (
+        "json",
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2},
+    ),
     "json: uniqueItems": ("json", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
     "json: multipleOf": ("json", {"type": "integer", "multipleOf": 5}),
     "json: any JSON object (json_object)": ("json", {"type": "object"}),
