@@ -56,6 +56,9 @@ _HELP = {
     "ray_address": "the Ray cluster to join; none: start or find a local one",
     "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU)",
 }
+# The parsers' names (their modules import nothing heavy; spelled here so that --help needs no import).
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 
 
@@ -99,13 +102,32 @@ def add_serve_parser(subparsers: Any) -> None:
         "--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     server.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
+    chat.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSER_NAMES),
+        help="how the model writes tool calls: hermes (Hermes, Qwen2.5/3), llama3_json (Llama 3.x), mistral",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='let the model decide to call tools (tool_choice "auto")'
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSER_NAMES),
+        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3",
+    )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=run_serve)
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from shoal.entrypoints.openai.api_server import ServerArgs, run_server
+    from shoal.entrypoints.openai.serving_chat import ChatOptions
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     engine_args = engine_args_from(args)
@@ -119,6 +141,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         stats_interval_s=args.stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
+        chat=ChatOptions(
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
+        ),
     )
     # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
     # rather than the default action; uvicorn handles it first for a graceful shutdown.
