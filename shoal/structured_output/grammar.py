@@ -98,7 +98,7 @@ def json_schema_text(spec: str) -> str:
     try:
         schema = json.loads(spec)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON schema: not JSON ({exc})") from exc
+        raise ValueError(f"not JSON ({exc})") from exc
     return json.dumps(_bound_plain_strings(schema))
 
 

@@ -38,7 +38,9 @@ def test_stream_adds_up(name: str, text: str, reasoning: str | None, content: st
 
 def test_reasoning_then_tool_calls() -> None:
     text = 'I should call it.</think><tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    reasoning, content, calls = ChoiceOutput(get_reasoning_parser("deepseek_r1"), get_tool_parser("hermes")).message(text)
+    reasoning, content, calls = ChoiceOutput(get_reasoning_parser("deepseek_r1"), get_tool_parser("hermes")).message(
+        text
+    )
     assert reasoning == "I should call it." and content is None
     assert [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"x": 1}')]
 
