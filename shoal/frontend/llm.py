@@ -94,8 +94,10 @@ class LLM:
     def _run(
         self, prompts: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        for (_, token_ids), _params in zip(prompts, params_list):
-            self.input_processor.validate_prompt(token_ids)  # fail before anything is queued
+        for (_, token_ids), params in zip(prompts, params_list):
+            # Fail before anything is queued.
+            self.input_processor.validate_prompt(token_ids)
+            self.input_processor.validate_params(params)
         order = {}
         for (text, token_ids), params in zip(prompts, params_list):
             request_id = str(next(self._request_counter))

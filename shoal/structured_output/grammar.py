@@ -93,8 +93,9 @@ _PLAIN_STRING_CHARACTERS = r'[^"\\\x00-\x1f\ud800-\udfff]'
 def json_schema_text(spec: str) -> str:
     """The schema as xgrammar is given it. A string with a length bound but no pattern or format
     gets the pattern of that many plain characters: xgrammar's own rule for bounded strings
-    lets control characters (U+0000-U+001F) through, which JSON forbids unescaped, so a document
-    could come out that no JSON parser reads (escapes are not allowed there either way)."""
+    lets control characters (U+0000-U+001F) and UTF-16 surrogates through, which JSON forbids
+    unescaped, so a document could come out that no JSON parser reads (escapes are not allowed
+    there either way)."""
     try:
         schema = json.loads(spec)
     except json.JSONDecodeError as exc:
@@ -110,7 +111,8 @@ def _bound_plain_strings(node: Any) -> Any:
     node = {key: _bound_plain_strings(value) for key, value in node.items()}
     bounded = "minLength" in node or "maxLength" in node
     if node.get("type") == "string" and bounded and "pattern" not in node and "format" not in node:
-        low, high = int(node.get("minLength", 0)), node.get("maxLength")
+        # The pattern carries the bounds (xgrammar ignores them beside a pattern, with a warning).
+        low, high = int(node.pop("minLength", 0)), node.pop("maxLength", None)
         node["pattern"] = f"^{_PLAIN_STRING_CHARACTERS}{{{low},{'' if high is None else int(high)}}}$"
     return node
 
