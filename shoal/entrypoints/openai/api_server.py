@@ -205,7 +205,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     serving = state.completion
     _require_tokenizer(serving)
     if body.messages is not None:
-        args = (body.messages, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs)
+        args = (body.messages, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs, body.tools)
         _, token_ids = await state.chat.render(*args)
     else:
         encode = functools.partial(serving.tokenizer.encode, add_special_tokens=body.add_special_tokens)

@@ -298,6 +298,8 @@ class TokenizeRequest(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    # Rendered by the chat template with `messages`, as /v1/chat/completions renders them.
+    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(BaseModel):
