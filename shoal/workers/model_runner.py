@@ -33,6 +33,7 @@ from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
+from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
 from shoal.workers.input_batch import InputBatch, RequestState
 from shoal.workers.sampler import (
     Sampler,
@@ -103,6 +104,7 @@ class ModelRunner:
             device=device,
         )
         self.sampler = Sampler()
+        self.grammar_bitmasks = GrammarBitmaskLoader(scheduler_config.max_num_seqs, device)
         # The row counts the LM head runs at (see `_logits`): the decode graphs' batch sizes.
         self.logits_row_counts = capture_sizes(scheduler_config.max_num_seqs)
         self.model: torch.nn.Module | None = None
@@ -479,7 +481,7 @@ class ModelRunner:
         if logits is not None:
             metadata = self.sampling_metadata(inputs, states, logits.shape[-1])
             if grammar is not None:
-                metadata = with_token_bitmask(metadata, grammar, inputs.sampling_req_ids, self.device)
+                metadata = with_token_bitmask(metadata, *self.grammar_bitmasks.load(grammar, inputs.sampling_req_ids))
             result = self.sampler(logits, metadata)
         self.keep_samples(inputs.sampling_slots, result.sampled_token_ids if result is not None else None)
         return SampledStep(inputs.req_ids, states, result, step.prompt_logprobs, step.step_id)

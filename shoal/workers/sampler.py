@@ -17,10 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from shoal.engine_core.batch import GrammarBitmask, LogprobsLists
+from shoal.engine_core.batch import LogprobsLists
 from shoal.kernels.gumbel_sample import fused_sampling_kernel
 from shoal.workers.input_batch import RequestState
 
@@ -134,19 +133,11 @@ def _logit_bias(params: list, device: torch.device) -> tuple[torch.Tensor, torch
 
 
 def with_token_bitmask(
-    metadata: SamplingMetadata, grammar: GrammarBitmask, sampling_req_ids: list[str], device: torch.device
+    metadata: SamplingMetadata, bitmask: torch.Tensor, rows: torch.Tensor | None
 ) -> SamplingMetadata:
-    """The metadata with the grammar's rows: row i of `grammar` masks the sampling row of
-    `grammar.req_ids[i]` (its place in `sampling_req_ids`)."""
-    bitmask = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(grammar.req_ids), grammar.num_words)
-    position = {req_id: row for row, req_id in enumerate(sampling_req_ids)}
-    rows = [position[req_id] for req_id in grammar.req_ids]
-    every_row = rows == list(range(len(sampling_req_ids)))
-    return dataclasses.replace(
-        metadata,
-        token_bitmask=torch.from_numpy(bitmask.copy()).to(device, non_blocking=True),
-        bitmask_rows=None if every_row else _column(rows, torch.int64, device),
-    )
+    """The metadata with a grammar's bitmask ([num_masked, num_words] int32 on the device) for
+    the sampling rows `rows` (None: every row, in order)."""
+    return dataclasses.replace(metadata, token_bitmask=bitmask, bitmask_rows=rows)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from shoal.engine_core.batch import GrammarBitmask
 from shoal.sampling_params import SamplingParams
 from shoal.workers import sampler as sampler_module
+from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
 from shoal.workers.input_batch import RequestState
 from shoal.workers.sampler import Sampler, apply_penalties, build_sampling_metadata, processed_probs
 
@@ -243,7 +244,8 @@ def test_sampled_tokens_obey_the_bitmask(params: SamplingParams) -> None:
     for _ in range(20):
         logits = torch.randn(6, VOCAB)
         md = build_sampling_metadata(states, VOCAB, torch.device("cpu"))
-        md = sampler_module.with_token_bitmask(md, grammar, [s.req_id for s in states], torch.device("cpu"))
+        loaded = GrammarBitmaskLoader(8, torch.device("cpu")).load(grammar, [s.req_id for s in states])
+        md = sampler_module.with_token_bitmask(md, *loaded)
         out = Sampler()(logits, md)
         sampled = out.sampled_token_ids.tolist()
         assert all(allowed[i, sampled[row]] for i, row in enumerate([0, 2, 5]))
