@@ -60,6 +60,9 @@ _HELP = {
     "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
     "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU)",
 }
+# The parsers' names (their modules import nothing heavy; spelled here so that --help needs no import).
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 
 
@@ -108,13 +111,32 @@ def add_serve_parser(subparsers: Any) -> None:
         action="store_true",
         help="add the RL rollout routes: /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused",
     )
+    chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
+    chat.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSER_NAMES),
+        help="how the model writes tool calls: hermes (Hermes, Qwen2.5/3), llama3_json (Llama 3.x), mistral",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='let the model decide to call tools (tool_choice "auto")'
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSER_NAMES),
+        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3",
+    )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=run_serve)
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from shoal.entrypoints.openai.api_server import ServerArgs, run_server
+    from shoal.entrypoints.openai.serving_chat import ChatOptions
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     engine_args = engine_args_from(args)
@@ -129,6 +151,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
         enable_rl_endpoints=args.enable_rl_endpoints,
+        chat=ChatOptions(
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
+        ),
     )
     # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
     # rather than the default action; uvicorn handles it first for a graceful shutdown.

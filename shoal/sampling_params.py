@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import msgspec
 
+from shoal.structured_output.params import StructuredOutputsParams
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutputsParams"]
+
 # Below this temperature sampling is greedy (argmax).
 _GREEDY_EPS = 1e-5
 # The most logprobs a request may ask for per position.
 MAX_LOGPROBS = 20
+# The range of a logit_bias value (OpenAI's).
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -41,10 +47,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Token id -> a value added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # The output must match a JSON schema, regex, choice or grammar (vLLM's structured outputs).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.logit_bias is not None:
+            self.logit_bias = {int(token_id): float(bias) for token_id, bias in self.logit_bias.items()} or None
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -80,6 +92,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        if self.logit_bias is not None:
+            _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "token ids must be >= 0")
+            bad = next((b for b in self.logit_bias.values() if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
+            _check(bad is None, "logit_bias", f"values must be in [-100, 100], got {bad}")
+        if self.structured_outputs is not None:
+            # Past the end of its grammar only eos (or a stop token) may follow: ignoring eos, or
+            # forbidding it before min_tokens, would leave no token to sample.
+            _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured_outputs")
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured_outputs")
 
     @property
     def uses_penalties(self) -> bool:

@@ -108,9 +108,10 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 _SAVED_AS_IN_MEMORY = {"qwen3_moe"}
 
 
-def make_tokenizer(path: Path, vocab_size: int) -> Any:
+def make_tokenizer(path: Path, vocab_size: int, extra_tokens: tuple[str, ...] = ()) -> Any:
     """A byte-level BPE tokenizer trained on a few sentences, with bos/eos and a chat template,
-    padded with filler tokens to exactly `vocab_size` so that every model id decodes."""
+    padded with filler tokens to exactly `vocab_size` so that every model id decodes;
+    `extra_tokens` (markers such as "</think>") become single tokens before the fillers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -124,21 +125,23 @@ def make_tokenizer(path: Path, vocab_size: int) -> Any:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=EOS, unk_token=EOS
     )
+    fast.add_tokens(list(extra_tokens))
     fast.add_tokens([f"<|filler_{i}|>" for i in range(vocab_size - len(fast))])
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(path)
     return fast
 
 
-def make_checkpoint(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a tiny float32 checkpoint of `kind` (one of KINDS) with its tokenizer into `path`."""
+def make_checkpoint(kind: str, path: str | Path, seed: int = 0, extra_tokens: tuple[str, ...] = ()) -> Path:
+    """Write a tiny float32 checkpoint of `kind` (one of KINDS) with its tokenizer into `path`
+    (`extra_tokens`: see `make_tokenizer`)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config_name, overrides = _CONFIGS[kind]
-    tokenizer = make_tokenizer(path, overrides["vocab_size"])
+    tokenizer = make_tokenizer(path, overrides["vocab_size"], extra_tokens)
     config = getattr(transformers, config_name)(
         **{**_COMMON, **overrides},
         bos_token_id=tokenizer.bos_token_id,

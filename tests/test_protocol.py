@@ -11,6 +11,7 @@ import shoal.engine_core.batch as batch
 import shoal.protocol as protocol
 from shoal.engine_core.batch import (
     CachedRequestData,
+    GrammarBitmask,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
@@ -30,7 +31,7 @@ from shoal.protocol import (
     decode,
     encode,
 )
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, StructuredOutputsParams
 
 PARAMS = SamplingParams(
     temperature=0.7,
@@ -120,6 +121,27 @@ EXAMPLES: list[msgspec.Struct] = [
         finished_req_ids=["req-0"],
         step_id=9,
     ),
+    SchedulerOutput(
+        new_reqs=[],
+        cached_reqs=[CACHED_REQUEST],
+        num_scheduled_tokens={"req-2": 1},
+        total_num_scheduled_tokens=1,
+        structured_req_ids=["req-2"],
+        grammar=GrammarBitmask(req_ids=["req-2"], bitmask=b"\xff\x00\x00\x80" * 3, num_words=3),
+    ),
+    SchedulerOutput(
+        new_reqs=[],
+        cached_reqs=[CACHED_REQUEST],
+        num_scheduled_tokens={"req-2": 1},
+        total_num_scheduled_tokens=1,
+        structured_req_ids=["req-2"],
+        grammar_follows=True,
+    ),
+    GrammarBitmask(req_ids=["a", "b"], bitmask=bytes(range(16)), num_words=2),
+    SamplingParams(logit_bias={3: -100.0, 17: 2.5}),
+    SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}, reasoning_end_token_ids=[5])),
+    SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"], disable_any_whitespace=False)),
+    StructuredOutputsParams(regex="[a-z]+"),
     LOGPROBS,
     ModelRunnerOutput(
         req_ids=["req-2", "req-1"],

@@ -7,6 +7,10 @@
 Reports requests/s and input, output and total tokens/s (every request generates exactly its
 output length: `ignore_eos`), the workload's hardware bound and the share of it achieved, and
 with `--backend both` the ratio to transformers measured in the same run.
+
+`--structured-output json-schema` puts a JSON schema on every request (`shoal/bench/structured.py`;
+the model's tokenizer is needed: `--tokenizer` beside a config-only folder); `both` runs the
+workload unconstrained and then constrained on the same engine and reports the slowdown.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from shoal.bench.common import (
 )
 from shoal.bench.hardware import WorkloadBound
 from shoal.bench.report import environment, format_table, print_lines, write_json
+from shoal.bench.structured import STRUCTURED_OUTPUT_MODES, bench_structured_outputs
 from shoal.bench.workloads import BenchRequest, Workload, add_workload_args, build_workload, random_token_ids
 
 # Warm-up: this many requests shaped like the workload's first ones (fresh ids: no cache hits).
@@ -45,7 +50,14 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_workload_args(parser.add_argument_group("workload"))
-    add_offline_args(parser.add_argument_group("benchmark"))
+    benchmark = parser.add_argument_group("benchmark")
+    add_offline_args(benchmark)
+    benchmark.add_argument(
+        "--structured-output",
+        choices=STRUCTURED_OUTPUT_MODES,
+        default="none",
+        help="json-schema: a JSON schema on every request; both: the workload without, then with it",
+    )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=main)
 
@@ -83,27 +95,31 @@ def warmup_requests(workload: Workload, vocab_size: int) -> list[BenchRequest]:
     ]
 
 
-def shoal_generate(llm: Any, requests: list[BenchRequest], temperature: float) -> list[Any]:
+def shoal_generate(llm: Any, requests: list[BenchRequest], temperature: float, structured: bool = False) -> list[Any]:
     from shoal.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    # A schema's document never ends within the output length, which ends every request as
+    # ignore_eos would (ignore_eos itself cannot be combined with a grammar).
+    constraint = {"structured_outputs": bench_structured_outputs()} if structured else {"ignore_eos": True}
     params = [
-        SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, detokenize=False)
+        SamplingParams(max_tokens=r.output_len, temperature=temperature, detokenize=False, **constraint)
         for r in requests
     ]
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def run_shoal(llm: Any, workload: Workload, vocab_size: int) -> dict[str, Any]:
+def run_shoal(llm: Any, workload: Workload, vocab_size: int, structured: bool = False) -> dict[str, Any]:
     """One warm-up run of a few requests, then the whole workload, timed."""
-    shoal_generate(llm, warmup_requests(workload, vocab_size), workload.temperature)
+    shoal_generate(llm, warmup_requests(workload, vocab_size), workload.temperature, structured)
     before = llm.get_stats()
     start = time.perf_counter()
-    outputs = shoal_generate(llm, workload.requests, workload.temperature)
+    outputs = shoal_generate(llm, workload.requests, workload.temperature, structured)
     elapsed = time.perf_counter() - start
     num_input = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    result = ThroughputResult("shoal", elapsed, len(outputs), num_input, num_output).as_dict()
+    name = "shoal+json-schema" if structured else "shoal"
+    result = ThroughputResult(name, elapsed, len(outputs), num_input, num_output).as_dict()
     return {**result, **engine_step_times(before, llm.get_stats())}
 
 
@@ -145,19 +161,24 @@ def run_hf(setup: OfflineSetup, workload: Workload, batch_size: int) -> dict[str
 # ---- the report --------------------------------------------------------------------------------
 
 
-def run(setup: OfflineSetup, workload: Workload, backend: str, hf_batch_size: int = 64) -> dict[str, Any]:
-    """Run the workload through each backend (shoal first) and build the report."""
+def run(
+    setup: OfflineSetup, workload: Workload, backend: str, hf_batch_size: int = 64, structured_output: str = "none"
+) -> dict[str, Any]:
+    """Run the workload through each backend (shoal first; unconstrained, then with a JSON
+    schema per request, as `structured_output` asks) and build the report."""
     setup.check_fits(workload.requests)
     results: dict[str, dict[str, Any]] = {}
     if "shoal" in setup.backends(backend):
         start = time.perf_counter()
         llm = setup.create_llm()
         engine_start_s = time.perf_counter() - start
+        vocab_size = setup.config.model_config.vocab_size
         try:
-            results["shoal"] = run_shoal(llm, workload, setup.config.model_config.vocab_size)
+            for structured in {"none": [False], "json-schema": [True], "both": [False, True]}[structured_output]:
+                result = run_shoal(llm, workload, vocab_size, structured)
+                results[result["backend"]] = {**result, "engine_start_s": engine_start_s}
         finally:
             llm.shutdown()
-        results["shoal"]["engine_start_s"] = engine_start_s
     if "hf" in setup.backends(backend):
         results["hf"] = run_hf(setup, workload, hf_batch_size)
     return make_report(setup, workload, results)
@@ -181,6 +202,9 @@ def make_report(setup: OfflineSetup, workload: Workload, results: dict[str, dict
     }
     if "shoal" in results and "hf" in results:
         report["shoal_vs_hf"] = results["shoal"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
+    if "shoal" in results and "shoal+json-schema" in results:
+        # How much longer the constrained run took than the unconstrained one (0.1: 10% slower).
+        report["json_schema_slowdown"] = results["shoal+json-schema"]["elapsed_s"] / results["shoal"]["elapsed_s"] - 1
     return report
 
 
@@ -206,6 +230,8 @@ def print_report(report: dict[str, Any], setup: OfflineSetup) -> None:
     ]
     if "shoal_vs_hf" in report:
         lines.append(f"shoal / transformers output tokens/s: {report['shoal_vs_hf']:.2f}x")
+    if "json_schema_slowdown" in report:
+        lines.append(f"a JSON schema on every request: {100 * report['json_schema_slowdown']:+.1f}% time")
     shoal = results.get("shoal", {})
     if "engine_overhead_us_per_step" in shoal:
         lines.append(
@@ -227,7 +253,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         setup.check_fits(workload.requests)
     except ValueError as exc:
         parser.exit(2, f"shoal bench throughput: error: {exc}\n")
-    report = run(setup, workload, args.backend, args.hf_batch_size)
+    report = run(setup, workload, args.backend, args.hf_batch_size, args.structured_output)
     write_json(args.output_json, report)
     print_report(report, setup)
     return 0

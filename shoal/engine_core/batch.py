@@ -36,6 +36,15 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True):
+    """The allowed next tokens of a step's structured rows: row i (int32 words, bit t % 32 of
+    word t // 32 for token t) belongs to request `req_ids[i]`; other rows sample freely."""
+
+    req_ids: list[str]
+    bitmask: bytes  # [len(req_ids), num_words] int32, C order
+    num_words: int
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One step: which requests run, and how many of their tokens (`num_scheduled_tokens`,
     in batch order: new requests after cached ones, as `scheduled_req_ids` lists them)."""
@@ -48,6 +57,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     # The step's id, so that pipeline-parallel outputs can be matched to their step.
     step_id: int = 0
+    # Requests whose grammar constrains the token they sample this step (structured output).
+    structured_req_ids: list[str] = msgspec.field(default_factory=list)
+    # Their bitmask, when the engine knew it as it launched the step; with `grammar_follows` it
+    # comes later, through `sample_tokens` (async scheduling: the step before is still running).
+    grammar: GrammarBitmask | None = None
+    grammar_follows: bool = False
 
     @property
     def scheduled_req_ids(self) -> list[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.config import EngineConfig
-from shoal.engine_core.batch import SchedulerOutput
+from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
@@ -28,6 +28,9 @@ from shoal.executors.abstract import Executor, StepFuture
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
+
+# How long an engine with nothing to run but grammars being compiled waits for one.
+_GRAMMAR_POLL_S = 0.005
 
 
 @dataclass
@@ -53,7 +56,15 @@ class EngineCore(GenerationControl):
         num_kv_blocks = self.executor.initialize_kv_cache()
         self._check_capacity(num_kv_blocks)
         self.num_kv_blocks = num_kv_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_kv_blocks)
+        from shoal.structured_output.manager import StructuredOutputManager
+
+        self.structured_output = StructuredOutputManager(config.model_config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_kv_blocks, structured_output=self.structured_output
+        )
+        # A launched step whose structured rows' bitmask is still owed to the workers (async
+        # scheduling: it is filled once the step before it has landed).
+        self._grammar_owed: SchedulerOutput | None = None
         self.batch_queue_size = batches_in_flight(config)
         # (step, its future, seconds spent scheduling it, seconds spent launching it)
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture, float, float]] | None = (
@@ -107,10 +118,13 @@ class EngineCore(GenerationControl):
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+            return self._idle_outputs()
         execute_start = time.perf_counter()
         try:  # free unless raised (zero-cost exceptions): nothing added to a step
-            model_output = self.executor.execute_model(scheduler_output)
+            if scheduler_output.structured_req_ids:
+                model_output = self._execute_structured(scheduler_output)
+            else:
+                model_output = self.executor.execute_model(scheduler_output)
         except WorkerDiedError as exc:
             return self.recover_from_worker_death(exc)
         execute_s = time.perf_counter() - execute_start
@@ -128,13 +142,17 @@ class EngineCore(GenerationControl):
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_schedulable_requests():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
+                if scheduler_output.structured_req_ids:
+                    self._prepare_grammar(scheduler_output)
                 launch_start = time.perf_counter()
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 launch_s = time.perf_counter() - launch_start
                 self.batch_queue.append((scheduler_output, future, launch_start - start, launch_s))
-                return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+                if scheduler_output.grammar_follows and len(self.batch_queue) == 1:
+                    self._send_grammar(scheduler_output)  # nothing runs before it: its tokens are known
+                return self._idle_outputs(wait=False)
         if not self.batch_queue:
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+            return self._idle_outputs()
         scheduler_output, future, schedule_s, launch_s = self.batch_queue.popleft()
         wait_start = time.perf_counter()
         try:
@@ -143,6 +161,7 @@ class EngineCore(GenerationControl):
             return self.recover_from_worker_death(exc)
         wait_s = time.perf_counter() - wait_start
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._send_owed_grammar()
         # The engine's own time for this step is scheduling it and applying its output; the
         # launch and the wait are the workers'.
         own_s = schedule_s + (time.perf_counter() - start - wait_s)
@@ -170,6 +189,7 @@ class EngineCore(GenerationControl):
         start = time.perf_counter()
         if self.batch_queue is not None:
             self.batch_queue.clear()
+        self._grammar_owed = None  # its step is gone
         num_requeued = self.scheduler.requeue_for_recompute()
         self.executor.restart_workers(list(error.ranks), self.num_kv_blocks)
         logger.warning(
@@ -177,7 +197,7 @@ class EngineCore(GenerationControl):
             time.perf_counter() - start,
             num_requeued,
         )
-        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        return self._idle_outputs(wait=False)
 
     def _refuse_restart(self, error: WorkerDiedError) -> None:
         """Shut down and raise `EngineDeadError` if the workers may not be re-created: the
@@ -199,6 +219,58 @@ class EngineCore(GenerationControl):
         logger.error("%s; not restarting (%s): shutting the engine down", error, reason)
         self.executor.shutdown()
         raise EngineDeadError(f"{error}; not restarting: {reason}") from error
+
+    def _idle_outputs(self, wait: bool = True) -> EngineCoreOutputs:
+        """What a step that applied no output reports: the scheduler's statistics, and any
+        request finished outside a step. With nothing to run but grammars being compiled, it
+        waits a little for them rather than spinning."""
+        if wait and self.scheduler.waiting_for_grammar:
+            self.structured_output.wait_for_any(self.scheduler.waiting_for_grammar, _GRAMMAR_POLL_S)
+        return EngineCoreOutputs(
+            outputs=self.scheduler.take_outputs_outside_steps(),
+            scheduler_stats=self.scheduler.make_stats(),
+            timestamp=time.time(),
+        )
+
+    # ---- structured output: the bitmask of a step's structured rows ------------------------
+
+    def _execute_structured(self, scheduler_output: SchedulerOutput) -> Any:
+        """One step with structured rows, synchronously: where the executor takes the bitmask
+        after the launch, it is filled while the forward runs."""
+        self._prepare_grammar(scheduler_output)
+        if not scheduler_output.grammar_follows:
+            return self.executor.execute_model(scheduler_output)
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        self._send_grammar(scheduler_output)
+        return future.result()
+
+    def _prepare_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """Either the step will get its bitmask after its launch (`sample_tokens`), or it
+        carries it (an executor that cannot take it later; its requests never run ahead)."""
+        if self.executor.samples_later:
+            scheduler_output.grammar_follows = True
+            self._grammar_owed = scheduler_output
+        else:
+            scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
+
+    def _send_owed_grammar(self) -> None:
+        """A step has landed: if the next one ran ahead of it, its grammars now know this step's
+        tokens, and its bitmask can go."""
+        if self._grammar_owed is not None:
+            self._send_grammar(self._grammar_owed)
+
+    def _send_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        self._grammar_owed = None
+        self.executor.sample_tokens(self._grammar_bitmask(scheduler_output))
+
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """Filled on the host from each structured request's matcher, which has seen every
+        token before the one this step samples."""
+        filled = self.structured_output.fill_bitmask(self.scheduler.structured_requests(scheduler_output))
+        if filled is None:
+            return None
+        req_ids, bitmask = filled
+        return GrammarBitmask(req_ids=req_ids, bitmask=bitmask.tobytes(), num_words=bitmask.shape[1])
 
     # ---- utility calls (collective_rpc, cache control, health) ------------------------------
 
@@ -240,6 +312,7 @@ class EngineCore(GenerationControl):
             self.recover_from_worker_death(exc)
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
 

@@ -35,6 +35,8 @@ class GenerationControl:
     executor: Executor
     batch_queue: deque[tuple[Any, Any, float, float]] | None
 
+    def _send_owed_grammar(self) -> None: ...
+
     def _init_generation_control(self) -> None:
         # Outputs made outside `step` (landed steps, aborted requests), for the client to send
         # before the call's reply.
@@ -147,5 +149,6 @@ class GenerationControl:
         while self.batch_queue:
             scheduler_output, future, _, _ = self.batch_queue.popleft()
             outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+            self._send_owed_grammar()  # the next step in the queue may wait for its bitmask
             if outputs.outputs:
                 self.side_outputs.append(outputs)

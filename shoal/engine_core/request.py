@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from shoal.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shoal.structured_output.manager import StructuredRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -81,6 +85,8 @@ class Request:
         # Prompt positions whose logprobs the frontend has (a recompute must not send them again).
         self.num_prompt_logprobs_sent = 0
         self.num_preemptions = 0
+        # Its grammar and matcher, for a request with structured output (see StructuredOutputManager).
+        self.structured_output: StructuredRequest | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

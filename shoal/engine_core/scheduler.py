@@ -26,6 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine_core.batch import (
@@ -39,6 +40,9 @@ from shoal.engine_core.block_pool import KVCacheBlock
 from shoal.engine_core.kv_cache_manager import KVCacheManager
 from shoal.engine_core.request import Request, RequestStatus
 from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+if TYPE_CHECKING:
+    from shoal.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_kv_blocks: int,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -101,6 +106,14 @@ class Scheduler:
         self.sleeping = False
         self.weights_missing = False  # discarded by a level-2 sleep, not yet replaced
         self.admission = Admission.OPEN
+        # Structured output: the grammars' manager, the requests whose grammar is still being
+        # compiled (kept out of `waiting`, so they hold up no one), how many requests with a
+        # grammar are unfinished (0: every structured-output path is skipped), and outputs of
+        # requests finished outside a step (a grammar that failed to compile).
+        self.structured_output = structured_output
+        self.waiting_for_grammar: list[Request] = []
+        self.num_structured_requests = 0
+        self._outputs_outside_steps: list[EngineCoreOutput] = []
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -108,6 +121,13 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("this engine has no structured output")
+            self.structured_output.add_request(request)
+            self.num_structured_requests += 1
+            self.waiting_for_grammar.append(request)
+            return
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -117,6 +137,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.waiting_for_grammar:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ABORTED
@@ -158,6 +180,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._admit_compiled()
         step = ScheduledStep(budget=self.max_num_batched_tokens, weight_version=self.weight_version)
         if self.admission is not Admission.OPEN:
             return self._schedule_held(step)
@@ -316,7 +340,64 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             finished_req_ids=finished_req_ids,
             step_id=self._step_id,
+            structured_req_ids=self._structured_samplers(step) if self.num_structured_requests else [],
         )
+
+    # ---- structured output ------------------------------------------------------------------
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue; one whose grammar failed
+        finishes (aborted, with the reason as its stop reason)."""
+        still_compiling = []
+        for request in self.waiting_for_grammar:
+            grammar = request.structured_output
+            assert grammar is not None
+            if not grammar.start():
+                still_compiling.append(request)
+            elif grammar.error is None:
+                self.waiting.append(request)
+            else:
+                logger.error("request %s: its grammar did not compile: %s", request.request_id, grammar.error)
+                request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, grammar.error
+                self._outputs_outside_steps.append(
+                    EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=grammar.error)
+                )
+                self._free_request(request)
+        self.waiting_for_grammar = still_compiling
+
+    @staticmethod
+    def _structured_samplers(step: ScheduledStep) -> list[str]:
+        """The step's requests with a grammar that sample a token in it (their prompt, or the
+        chunk of it, is complete), in batch order."""
+        return [
+            request_id
+            for request_id, request in step.requests.items()
+            if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens
+        ]
+
+    def structured_requests(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """The requests of `scheduler_output.structured_req_ids` that are still running."""
+        step = self._scheduled.get(scheduler_output.step_id)
+        if step is None:
+            return []
+        requests = (step.requests[r] for r in scheduler_output.structured_req_ids)
+        return [r for r in requests if self.requests.get(r.request_id) is r and not r.is_finished]
+
+    def take_outputs_outside_steps(self) -> list[EngineCoreOutput]:
+        outputs, self._outputs_outside_steps = self._outputs_outside_steps, []
+        return outputs
+
+    def _advance_matchers(self, outputs: list[EngineCoreOutput], scheduled: dict[str, Request]) -> None:
+        """Feed the tokens this step accepted to the unfinished requests' grammars."""
+        for output in outputs:
+            request = scheduled.get(output.request_id)
+            grammar = request.structured_output if request is not None else None
+            if grammar is None or output.finished or grammar.matcher is None:
+                continue
+            if not grammar.accept(output.new_token_ids):
+                logger.error(
+                    "request %s: its grammar refused a sampled token %s", output.request_id, output.new_token_ids
+                )
 
     # ---- results of a step ------------------------------------------------------------------
 
@@ -368,6 +449,10 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._free_request(request)
+        if self.num_structured_requests:
+            self._advance_matchers(outputs, scheduled)
+        if self._outputs_outside_steps:
+            outputs.extend(self.take_outputs_outside_steps())
         stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=stats, timestamp=time.time(), weight_version=step.weight_version
@@ -412,6 +497,8 @@ class Scheduler:
         return False
 
     def _free_request(self, request: Request) -> None:
+        if request.structured_output is not None:
+            self.num_structured_requests -= 1
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)

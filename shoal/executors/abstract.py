@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Literal, Protocol, overload
 
 from shoal.config import EngineConfig
-from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.errors import EngineDeadError, WorkerDiedError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,15 @@ class Executor(ABC):
     ) -> ModelRunnerOutput | StepFuture:
         """Run one step on all workers; returns the sampling rank's output, or with
         `non_block=True` (pipeline parallelism keeps several steps in flight) a `StepFuture`."""
+
+    # Whether a step's grammar bitmask may follow its launch (`SchedulerOutput.grammar_follows`,
+    # then `sample_tokens`); otherwise the step carries it.
+    samples_later: bool = False
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
+        """Sample the launched step that awaits its grammar bitmask (`grammar_follows`), with
+        `grammar` applied (None: no structured row constrains its token after all)."""
+        raise NotImplementedError(f"{type(self).__name__} takes a step's bitmask with the step")
 
     def initialize_kv_cache(self) -> int:
         """Size the KV cache (the smallest that fits on every worker) and allocate it

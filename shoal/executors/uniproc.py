@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.executors.abstract import Executor, StepFuture
 
 
 class UniProcExecutor(Executor):
+    # The worker is in this process: a step's bitmask can reach its sampler after the launch.
+    samples_later = True
+
     def _init_workers(self) -> None:
         from shoal.workers.worker import Worker
 
@@ -33,6 +36,9 @@ class UniProcExecutor(Executor):
         output = self.worker.execute_model(scheduler_output, non_block)
         assert output is not None, "the only worker always samples"
         return output
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
+        self.worker.sample_tokens(grammar)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -74,6 +74,7 @@ class AsyncLLM:
         self._check_alive()
         text, token_ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate_prompt(token_ids)
+        self.input_processor.validate_params(sampling_params)  # cached: the server checked it already
         queue = self._add_request(request_id, text, token_ids, sampling_params, output_kind)
         finished = False
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 Conversation = list[dict[str, Any]]
@@ -13,8 +14,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
-    """The prompt text and its token ids for one conversation."""
+    """The prompt text and its token ids for one conversation; `tools` (OpenAI's function
+    definitions) are rendered by the template, which decides how the model sees them."""
     if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
         raise ValueError("a conversation must be a list of {'role': ..., 'content': ...} messages")
     for message in conversation:
@@ -22,9 +25,11 @@ def render_chat(
             raise ValueError("every chat message needs a 'role'")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the model has no chat template; pass chat_template=...")
+    conversation = [_with_tool_call_arguments_as_objects(m) for m in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            tools=tools or None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
@@ -34,3 +39,22 @@ def render_chat(
         raise ValueError(f"cannot apply the chat template: {exc}") from exc
     # The template already wrote any special tokens (bos, role markers) as text.
     return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _with_tool_call_arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool calls with their arguments as JSON objects: OpenAI clients
+    send them as JSON text, and chat templates write them out with `tojson`."""
+    tool_calls = message.get("tool_calls")
+    if not tool_calls:
+        return message
+    converted = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}  # type: ignore[dict-item]
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"a tool call's arguments are not JSON: {exc}") from exc
+        converted.append(call)
+    return {**message, "tool_calls": converted}

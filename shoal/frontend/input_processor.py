@@ -55,6 +55,7 @@ class InputProcessor:
         arrival_time: float | None = None,
     ) -> EngineCoreRequest:
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         room = self.model_config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if not params.ignore_eos and self.extra_eos_token_ids:
@@ -67,6 +68,22 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             max_tokens=max_tokens,
         )
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """What only the model can tell about sampling parameters: logit_bias token ids in its
+        vocabulary, a structured-output spec its grammar library can build (cached: checking
+        the same spec again costs nothing)."""
+        vocab_size = self.model_config.vocab_size
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"SamplingParams.logit_bias token id {bad} is out of the vocabulary [0, {vocab_size})")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer, and this model has none")
+            from shoal.structured_output.grammar import validate
+
+            validate(params.structured_outputs)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         max_model_len = self.model_config.max_model_len

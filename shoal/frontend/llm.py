@@ -81,11 +81,13 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the chat template."""
+        """Generate replies to one conversation or a list of them, with the chat template (which
+        also renders `tools`, OpenAI's function definitions, where it knows how)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         rendered = [
-            render_chat(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs)
+            render_chat(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs, tools)
             for c in conversations  # type: ignore[arg-type]
         ]
         return self._run(rendered, _as_params_list(sampling_params, len(rendered)), use_tqdm)
@@ -93,8 +95,10 @@ class LLM:
     def _run(
         self, prompts: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        for (_, token_ids), _params in zip(prompts, params_list):
-            self.input_processor.validate_prompt(token_ids)  # fail before anything is queued
+        for (_, token_ids), params in zip(prompts, params_list):
+            # Fail before anything is queued.
+            self.input_processor.validate_prompt(token_ids)
+            self.input_processor.validate_params(params)
         self._check_not_held()
         order = {}
         for (text, token_ids), params in zip(prompts, params_list):

@@ -33,7 +33,8 @@ class RequestState:
     greedy: bool = field(init=False)
     temperature: float = field(init=False)  # 1.0 where greedy
     reads_output_tokens: bool = field(init=False)  # penalties count them, min_tokens their number
-    # Temperature (or greedy) alone: no top-k/p, min-p, penalties, min_tokens, logprobs or seed.
+    # Temperature (or greedy) alone: no top-k/p, min-p, penalties, min_tokens, logit_bias,
+    # logprobs or seed (a grammar's bitmask is applied to any row, plain or not).
     plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +48,7 @@ class RequestState:
             and params.top_p == 1.0
             and params.min_p == 0.0
             and params.logprobs is None
+            and params.logit_bias is None
             and self.generator is None
         )
 

@@ -29,15 +29,22 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
-from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
+from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
 from shoal.workers.input_batch import InputBatch, RequestState
-from shoal.workers.sampler import Sampler, SamplingMetadata, build_sampling_metadata, temperatures_only
+from shoal.workers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    build_sampling_metadata,
+    temperatures_only,
+    with_token_bitmask,
+)
 from shoal.workers.step_buffers import StepBuffers
-from shoal.workers.step_output import FinishedStep, SampledStep
+from shoal.workers.step_output import DeferredStep, FinishedStep, SampledStep
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,17 @@ class StepInputs:
     prompt_logprob_rows: list[tuple[str, np.ndarray, np.ndarray]]
 
 
+@dataclass
+class _LogitsOfStep:
+    """A step's results before sampling."""
+
+    inputs: StepInputs
+    states: list[RequestState]
+    logits: torch.Tensor | None
+    prompt_logprobs: dict[str, tuple[torch.Tensor, ...]]
+    step_id: int
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
@@ -87,6 +105,7 @@ class ModelRunner:
             device=device,
         )
         self.sampler = Sampler()
+        self.grammar_bitmasks = GrammarBitmaskLoader(scheduler_config.max_num_seqs, device)
         # The row counts the LM head runs at (see `_logits`): the decode graphs' batch sizes.
         self.logits_row_counts = capture_sizes(scheduler_config.max_num_seqs)
         self.model: torch.nn.Module | None = None
@@ -96,6 +115,8 @@ class ModelRunner:
         # in them that was sampled for its request (-1: none).
         self.prev_sampled: torch.Tensor | None = None
         self.prev_sampled_rows = np.full(scheduler_config.max_num_seqs, -1, dtype=np.int64)
+        # A step whose logits wait for their grammar bitmask (`sample_tokens`), and its handle.
+        self._awaiting_grammar: tuple[_LogitsOfStep, DeferredStep] | None = None
 
     @property
     def is_sampling_rank(self) -> bool:
@@ -233,10 +254,13 @@ class ModelRunner:
         if not get_pp_group().is_last_rank:
             self._send_intermediate_tensors(hidden_states)
             return None
-        step = self._sample(inputs, hidden_states, scheduler_output.step_id)
+        step = self._sample(inputs, hidden_states, scheduler_output)
         if step is None:
             return None
-        return step if non_block else step.result()
+        if not non_block:
+            assert not isinstance(step, DeferredStep), "a step whose bitmask follows is launched with non_block"
+            return step.result()
+        return step
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | dict[str, torch.Tensor]:
         """The model on this step's batch: a CUDA-graph replay for a captured decode size (its
@@ -444,20 +468,45 @@ class ModelRunner:
             rows.append((req_id, positions - first + query_start_loc[i], targets))
         return rows
 
-    def _sample(self, inputs: StepInputs, hidden_states: torch.Tensor, step_id: int) -> SampledStep | None:
+    def _sample(
+        self, inputs: StepInputs, hidden_states: torch.Tensor, scheduler_output: SchedulerOutput
+    ) -> SampledStep | DeferredStep | None:
         """Logits on every tensor-parallel rank of the last stage (the LM head all-gathers
         them); sampling, launched and not read back, only on the rank whose tokens go back to
-        the engine (None on the others)."""
+        the engine (None on the others). A step whose grammar bitmask follows keeps its logits
+        until `sample_tokens` brings it."""
         states = [self.input_batch.requests[r] for r in inputs.sampling_req_ids]
         logits = self._logits(hidden_states, inputs.logits_indices, inputs.attn_metadata.num_tokens) if states else None
         prompt_logprobs = self._prompt_logprobs(inputs, hidden_states)
         if not self.is_sampling_rank:
             return None
+        step = _LogitsOfStep(inputs, states, logits, prompt_logprobs, scheduler_output.step_id)
+        if scheduler_output.grammar_follows:
+            deferred = DeferredStep()
+            self._awaiting_grammar = (step, deferred)
+            return deferred
+        return self._sample_logits(step, scheduler_output.grammar)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
+        """Sample the step whose logits wait for their grammar bitmask; its `DeferredStep`
+        then reads the tokens back like any step."""
+        if self._awaiting_grammar is None:
+            raise RuntimeError("no step is waiting for its grammar bitmask")
+        step, deferred = self._awaiting_grammar
+        self._awaiting_grammar = None
+        deferred.step = self._sample_logits(step, grammar)
+
+    def _sample_logits(self, step: _LogitsOfStep, grammar: GrammarBitmask | None) -> SampledStep:
+        inputs, states, logits = step.inputs, step.states, step.logits
         result = None
         if logits is not None:
-            result = self.sampler(logits, self.sampling_metadata(inputs, states, logits.shape[-1]))
+            metadata = self.sampling_metadata(inputs, states, logits.shape[-1])
+            if grammar is not None:
+                metadata = with_token_bitmask(metadata, *self.grammar_bitmasks.load(grammar, inputs.sampling_req_ids))
+            result = self.sampler(logits, metadata)
         self.keep_samples(inputs.sampling_slots, result.sampled_token_ids if result is not None else None)
-        return SampledStep(inputs.req_ids, states, result, prompt_logprobs, step_id)
+        return SampledStep(inputs.req_ids, states, result, step.prompt_logprobs, step.step_id)
 
     def sampling_metadata(self, inputs: StepInputs, states: list[RequestState], vocab_size: int) -> SamplingMetadata:
         """The step's sampling metadata: a plain batch's came with its inputs; the rest are built

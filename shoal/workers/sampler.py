@@ -1,16 +1,20 @@
 """`Sampler`: from one row of logits per request to the next token, on the device.
 
-Order of operations (as transformers' `generate` applies them): repetition, frequency and
-presence penalties; min_tokens (eos and stop tokens masked); then for sampled rows temperature,
+Order of operations: a structured row's grammar bitmask (disallowed tokens to -inf; logprobs
+are taken after it, as vLLM's are); then, as transformers' `generate` applies them,
+repetition, frequency and presence penalties; logit_bias; min_tokens (eos and stop tokens
+masked); then for sampled rows temperature,
 top-k, top-p and min-p; greedy rows take the argmax of the penalized logits. Sampling uses the
 exponential race (argmax of p / q, q ~ Exp(1)), equivalent to drawing from p; a request with a
 seed draws its q from its own generator, so its tokens do not depend on what else is batched.
 
-Logprobs come from the raw logits, before any of the above (vLLM V1's convention).
+Logprobs come from the raw logits, before any of the above but the grammar (vLLM V1's
+convention).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +45,12 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None  # [num_rows, max_output_len]
     # Rows still under min_tokens and the tokens they may not sample yet.
     min_tokens_mask: list[tuple[int, list[int]]]
+    # logit_bias: (rows, token ids, biases), one entry per biased token of a row.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured output: the allowed tokens of some rows, int32 bit words [num_masked, num_words],
+    # and which rows they are (None: every row, in order).
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
 
 def build_sampling_metadata(states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -104,7 +114,44 @@ def _general_sampling_metadata(states: list[RequestState], vocab_size: int, devi
         prompt_token_ids=_pad([s.prompt_token_ids for s in states], vocab_size, device) if use_penalties else None,
         output_token_ids=_pad([s.output_token_ids for s in states], vocab_size, device) if use_penalties else None,
         min_tokens_mask=[(i, _min_tokens_banned(s)) for i, s in enumerate(states) if _under_min_tokens(s)],
+        logit_bias=_logit_bias(params, device) if any(p.logit_bias for p in params) else None,
     )
+
+
+def _logit_bias(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, token_ids, biases = [], [], []
+    for row, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            token_ids.append(token_id)
+            biases.append(bias)
+    return (
+        _column(rows, torch.int64, device),
+        _column(token_ids, torch.int64, device),
+        _column(biases, torch.float32, device),
+    )
+
+
+def with_token_bitmask(
+    metadata: SamplingMetadata, bitmask: torch.Tensor, rows: torch.Tensor | None
+) -> SamplingMetadata:
+    """The metadata with a grammar's bitmask ([num_masked, num_words] int32 on the device) for
+    the sampling rows `rows` (None: every row, in order)."""
+    return dataclasses.replace(metadata, token_bitmask=bitmask, bitmask_rows=rows)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """`logits` with the tokens a row's bitmask disallows set to -inf (bit t % 32 of word t // 32
+    is token t; tokens past the bitmask's words are disallowed)."""
+    num_rows, vocab_size = bitmask.shape[0], logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, -1)  # [num_rows, 32 * num_words]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    allowed = allowed[:, :vocab_size]
+    if rows is None:
+        return logits.masked_fill(~allowed, -float("inf"))
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, -float("inf")))
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -135,12 +182,17 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if metadata.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, metadata.token_bitmask, metadata.bitmask_rows)
         sampled = self._sample_in_one_pass(logits, metadata)
         if sampled is not None:
             return SamplerOutput(sampled_token_ids=sampled)
         logits = logits.float()  # [num_rows, vocab_size]
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs >= 0 else None
         logits = apply_penalties(logits, metadata)
+        if metadata.logit_bias is not None:
+            rows, token_ids, biases = metadata.logit_bias
+            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
         for row, banned in metadata.min_tokens_mask:
             logits[row, banned] = -float("inf")
         if metadata.all_greedy:
@@ -160,6 +212,7 @@ class Sampler(torch.nn.Module):
         per-request seeds) take the one-pass Gumbel-max kernel straight from the model's logits,
         without the float32 copy; None where the general path is needed."""
         plain = md.max_num_logprobs < 0 and md.repetition_penalty is None and not md.min_tokens_mask
+        plain = plain and md.logit_bias is None
         plain = plain and md.top_k is None and md.top_p is None and md.min_p is None and not md.generators
         if not plain or md.all_greedy:
             return None

@@ -1,6 +1,7 @@
 """What a launched step hands back: `SampledStep`, its sampled tokens (and logprobs) still on
 the device until `result()` reads them, so that the engine can launch the next step first (async
-scheduling); `FinishedStep` when there was nothing to run."""
+scheduling); `DeferredStep` when its sampling waits for a grammar bitmask; `FinishedStep` when
+there was nothing to run."""
 
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ class SampledStep:
             return [[t] for t in tokens]
         by_request = {s.req_id: [t] for s, t in zip(self.states, tokens, strict=True)}
         return [by_request.get(r, []) for r in self.req_ids]
+
+
+class DeferredStep:
+    """A launched step whose sampling waits for its grammar bitmask: `ModelRunner.sample_tokens`
+    samples it and sets `step`, before anyone asks for the result."""
+
+    def __init__(self) -> None:
+        self.step: SampledStep | None = None
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if self.step is None:
+            raise RuntimeError("a step was read back before its grammar bitmask came (sample_tokens)")
+        return self.step.result(timeout)
 
 
 class FinishedStep:

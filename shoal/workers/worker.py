@@ -19,7 +19,7 @@ from shoal import envs
 from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
-from shoal.engine_core.batch import SchedulerOutput
+from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
 from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
@@ -131,6 +131,10 @@ class Worker:
         """The step's output (None on ranks that do not sample); with `non_block`, a handle
         whose `result()` waits for it (see `ModelRunner.execute_model`)."""
         return self.runner.execute_model(scheduler_output, non_block)
+
+    def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
+        """Sample the step that awaits its grammar bitmask (see `ModelRunner.sample_tokens`)."""
+        self.runner.sample_tokens(grammar)
 
     def call(self, method: str | Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run a `collective_rpc` call: a method of this worker by name, or a function that

@@ -117,3 +117,22 @@ def test_a_request_longer_than_the_model_is_a_usage_error(tiny_checkpoints: dict
 def test_bench_without_a_benchmark_prints_help(capsys) -> None:
     assert main(["bench"]) == 2
     assert "throughput" in capsys.readouterr().out
+
+
+def test_throughput_with_a_json_schema_on_every_request(
+    tmp_path: Path, config_only_model: Path, tiny_checkpoints: dict[str, Path], capsys
+) -> None:
+    """Dummy weights from a config-only folder, the tokenizer given apart (as for the 8B shape):
+    the constrained run generates exactly the unconstrained run's tokens, and the slowdown is
+    reported."""
+    tokenizer = tiny_checkpoints["qwen3"]
+    flags = f"--load-format dummy --tokenizer {tokenizer} --in-process --num-prompts 6 --input-len 12 --output-len 8"
+    report = _run(tmp_path, "throughput", config_only_model, flags + " --structured-output both")
+    assert list(report["results"]) == ["shoal", "shoal+json-schema"]
+    for result in report["results"].values():
+        _check_throughput(result, 6, 12, 8)
+    slowdown = report["json_schema_slowdown"]
+    assert slowdown == pytest.approx(
+        report["results"]["shoal+json-schema"]["elapsed_s"] / report["results"]["shoal"]["elapsed_s"] - 1
+    )
+    assert "a JSON schema on every request" in capsys.readouterr().out

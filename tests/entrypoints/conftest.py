@@ -16,7 +16,9 @@ from tests.entrypoints.server_utils import DEMO_SERVER_ARGS, ServerProcess
 @pytest.fixture(scope="session")
 def server(demo_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    process = ServerProcess([demo_model_path, *DEMO_SERVER_ARGS, "--stats-interval", "2"], log_path)
+    # Tool calls in the Hermes format (the tests give the demo model a template that renders tools).
+    tool_args = ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    process = ServerProcess([demo_model_path, *DEMO_SERVER_ARGS, *tool_args, "--stats-interval", "2"], log_path)
     yield process
     process.stop()
 

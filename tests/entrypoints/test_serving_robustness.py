@@ -106,7 +106,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/completions", {"prompt": "hi", "top_p": 0.0}, 400, "top_p"),
     ("POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("POST", "/v1/completions", {"prompt": "hi", "n": 129}, 400, "n"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 5.0}}, 400, "logit_bias is not supported"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 500.0}}, 400, "logit_bias values"),
     ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("POST", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("POST", "/v1/completions", {"prompt": []}, 400, "empty"),

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from shoal.engine_core.batch import GrammarBitmask
 from shoal.sampling_params import SamplingParams
 from shoal.workers import sampler as sampler_module
+from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
 from shoal.workers.input_batch import RequestState
 from shoal.workers.sampler import Sampler, apply_penalties, build_sampling_metadata, processed_probs
 
@@ -180,3 +183,75 @@ def test_logprobs_come_from_raw_logits(num_logprobs: int) -> None:
         assert int(out.sampled_ranks[row]) == int((raw[row] > raw[row, sampled]).sum()) + 1
         top = raw[row].topk(num_logprobs)
         assert out.logprob_token_ids[row, 1:].tolist() == top.indices.tolist()
+
+
+# ---- logit_bias and grammar bitmasks ------------------------------------------------------------
+
+
+def _pack(allowed: torch.Tensor) -> np.ndarray:
+    """[rows, vocab] bool -> int32 bit words (bit t % 32 of word t // 32 for token t)."""
+    rows, vocab = allowed.shape
+    words = np.zeros((rows, -(-vocab // 32)), dtype=np.uint32)
+    for row, token in allowed.nonzero().tolist():
+        words[row, token // 32] |= np.uint32(1 << (token % 32))
+    return words.view(np.int32)
+
+
+def test_logit_bias_is_added_to_its_rows() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, VOCAB)
+    states = [
+        make_state(0, SamplingParams(temperature=0.0, logit_bias={7: 100.0})),
+        make_state(1, SamplingParams(temperature=0.0)),
+        make_state(2, SamplingParams(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0, 3: 0.5})),
+    ]
+    md = build_sampling_metadata(states, VOCAB, torch.device("cpu"))
+    expected = logits.clone()
+    expected[0, 7] += 100.0
+    expected[2, int(logits[2].argmax())] -= 100.0
+    expected[2, 3] += 0.5
+    assert Sampler()(logits, md).sampled_token_ids.tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("every_row", [True, False])
+def test_token_bitmask_masks_exactly_the_disallowed_tokens(every_row: bool) -> None:
+    torch.manual_seed(2)
+    num_rows, vocab = 4, 70  # not a multiple of 32: the last word is partial
+    logits = torch.randn(num_rows, vocab)
+    masked_rows = list(range(num_rows)) if every_row else [1, 3]
+    allowed = torch.rand(len(masked_rows), vocab) < 0.3
+    bitmask = torch.from_numpy(_pack(allowed))
+    rows = None if every_row else torch.tensor(masked_rows)
+    out = sampler_module.apply_token_bitmask(logits, bitmask, rows)
+    expected = logits.clone()
+    for i, row in enumerate(masked_rows):
+        expected[row, ~allowed[i]] = -math.inf
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(top_k=5, logprobs=2)]
+)
+def test_sampled_tokens_obey_the_bitmask(params: SamplingParams) -> None:
+    """Plain and general batches alike: every structured row samples an allowed token, the
+    other rows are untouched, and logprobs are those of the masked logits."""
+    torch.manual_seed(3)
+    states = [make_state(i, params) for i in range(6)]
+    allowed = torch.zeros(3, VOCAB, dtype=torch.bool)
+    for i in range(3):
+        allowed[i, torch.randperm(VOCAB)[:4]] = True
+    grammar = GrammarBitmask(req_ids=["0", "2", "5"], bitmask=_pack(allowed).tobytes(), num_words=-(-VOCAB // 32))
+    for _ in range(20):
+        logits = torch.randn(6, VOCAB)
+        md = build_sampling_metadata(states, VOCAB, torch.device("cpu"))
+        loaded = GrammarBitmaskLoader(8, torch.device("cpu")).load(grammar, [s.req_id for s in states])
+        md = sampler_module.with_token_bitmask(md, *loaded)
+        out = Sampler()(logits, md)
+        sampled = out.sampled_token_ids.tolist()
+        assert all(allowed[i, sampled[row]] for i, row in enumerate([0, 2, 5]))
+        if params.greedy:
+            assert sampled[1] == int(logits[1].argmax()) and sampled[3] == int(logits[3].argmax())
+        if out.logprobs is not None:
+            assert out.logprobs[0, 0] == pytest.approx(
+                float(logits[0].masked_fill(~allowed[0], -math.inf).log_softmax(-1)[sampled[0]])
+            )

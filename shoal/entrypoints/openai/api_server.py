@@ -3,8 +3,9 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`
 (503 once the engine is dead), `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`,
-`GET /version` (with the engine core's pid). With `enable_rl_endpoints`, the RL rollout routes
-of `rl_routes.py` (sleep / wake_up, pause / resume). With an API key every route but `/health`,
+`GET /tokenizer_info` (the tokenizer's configuration, as vLLM's), `GET /version` (with the
+engine core's pid). With `enable_rl_endpoints`, the RL rollout routes of `rl_routes.py` (sleep /
+wake_up, pause / resume). With an API key every route but `/health`,
 `/metrics` and `/version` needs `Authorization: Bearer <key>`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -39,7 +41,7 @@ from shoal.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
+from shoal.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from shoal.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from shoal.entrypoints.openai.stats_logger import StatsLogger
 from shoal.errors import EngineDeadError
@@ -70,6 +72,8 @@ class ServerArgs:
     graceful_shutdown_timeout_s: int = 5
     # The RL rollout routes (sleep, wake_up, pause, resume, ...): off unless asked for.
     enable_rl_endpoints: bool = False
+    # Chat outputs: tool calls and reasoning (see serving_chat.ChatOptions).
+    chat: ChatOptions = dataclasses.field(default_factory=ChatOptions)
 
 
 @dataclass
@@ -111,7 +115,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
         engine=engine,
         args=args,
         completion=OpenAIServingCompletion(engine, tokenizer_thread),
-        chat=OpenAIServingChat(engine, tokenizer_thread),
+        chat=OpenAIServingChat(engine, tokenizer_thread, args.chat),
         metrics=metrics,
         stats_logger=stats_logger,
     )
@@ -208,7 +212,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     serving = state.completion
     _require_tokenizer(serving)
     if body.messages is not None:
-        args = (body.messages, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs)
+        args = (body.messages, body.add_generation_prompt, body.chat_template, body.chat_template_kwargs, body.tools)
         _, token_ids = await state.chat.render(*args)
     else:
         encode = functools.partial(serving.tokenizer.encode, add_special_tokens=body.add_special_tokens)
@@ -229,6 +233,39 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     if bad is not None:
         raise bad_request(f"token id {bad} is out of the vocabulary [0, {vocab_size})", "tokens")
     return DetokenizeResponse(prompt=await serving.in_tokenizer_thread(serving.tokenizer.decode, body.tokens))
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """The tokenizer's configuration (what its tokenizer_config.json holds), with its class
+    and chat template, as vLLM's route answers it."""
+    serving = _state(request).completion
+    _require_tokenizer(serving)
+    return tokenizer_config(serving.tokenizer)
+
+
+def tokenizer_config(tokenizer: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        key: value for key, value in tokenizer.init_kwargs.items() if _is_json_value(value) and key != "chat_template"
+    }
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            info[name] = str(value)
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["model_max_length"] = tokenizer.model_max_length if tokenizer.model_max_length < 2**63 else None
+    info["chat_template"] = getattr(tokenizer, "chat_template", None)
+    return info
+
+
+def _is_json_value(value: Any) -> bool:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json_value(v) for k, v in value.items())
+    return False
 
 
 profiler_router = APIRouter()

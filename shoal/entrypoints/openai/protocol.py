@@ -3,8 +3,9 @@ under the names vLLM gives them.
 
 Requests are parsed in strict mode: a wrong JSON type (`"max_tokens": "5"`, `"logprobs": true`
 on /v1/completions) is a 400, never silently coerced. Unknown fields are ignored, as OpenAI
-clients send fields shoal has no use for (`user`, `logit_bias`, ...). Values are checked where
-they become `SamplingParams`, so each rule lives in one place.
+clients send fields shoal has no use for (`user`, ...). Values are checked where they become
+`SamplingParams`, so each rule lives in one place (structured output and logit_bias in
+`sampling_extensions.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -64,26 +65,34 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
-    # OpenAI fields shoal cannot honour: refused when they would change the result, rather
-    # than silently ignored.
+    # Token id (as a string) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format ({"type": "text" | "json_object" |
+    # "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's structured_outputs
+    # object ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and its older
+    # guided_* fields; at most one of them (see sampling_extensions.py).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Accepted and ignored: shoal has one grammar library.
+    guided_decoding_backend: str | None = None
+    # Accepted on /v1/chat/completions only (serving_chat.py refuses them elsewhere).
     tools: list[dict[str, Any]] | None = None
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> SamplingRequest:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        return self
-
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """Raises `ValueError` naming the bad field (`SamplingParams.<field> ...`)."""
+        """Raises `ValueError` naming the bad field (`SamplingParams.<field> ...`);
+        `structured_outputs` is the constraint the caller settled on (`sampling_extensions`)."""
+        from shoal.entrypoints.openai.sampling_extensions import logit_bias_of
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         optional: dict[str, Any] = {
             "temperature": self.temperature,
@@ -107,6 +116,8 @@ class SamplingRequest(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=logit_bias_of(self.logit_bias),
+            structured_outputs=structured_outputs,
             **{name: value for name, value in optional.items() if value is not None},
         )
 
@@ -165,6 +176,9 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TopLogprob(BaseModel):
@@ -181,9 +195,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | None = None
+    # The thinking part of a reasoning model's answer (`--reasoning-parser`), as vLLM names it.
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -203,9 +231,26 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A stream's piece of one tool call: the first carries its id, type and name, the later
+    ones pieces of its arguments (which, joined, are its JSON text)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -253,6 +298,8 @@ class TokenizeRequest(RequestModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    # Rendered by the chat template with `messages`, as /v1/chat/completions renders them.
+    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -20,6 +20,7 @@ from starlette.types import Send
 
 from shoal.entrypoints.openai.errors import bad_request, model_not_found, to_api_error
 from shoal.entrypoints.openai.protocol import UsageInfo
+from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from shoal.frontend.async_llm import AsyncLLM
@@ -70,6 +71,12 @@ class OpenAIServing:
                 param,
             )
         self.engine.input_processor.validate_prompt(prompt_token_ids)
+
+    async def check_params(self, params: SamplingParams) -> None:
+        """What only the model can tell about the sampling parameters (logit_bias ids in its
+        vocabulary, a structured-output spec that compiles), checked in the tokenizer thread:
+        a large schema must not stall the event loop. Raises `ValueError` (a 400)."""
+        await self.in_tokenizer_thread(self.engine.input_processor.validate_params, params)
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

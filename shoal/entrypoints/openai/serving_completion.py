@@ -5,6 +5,10 @@ prompt (and, with `logprobs`, the prompt's logprobs come first, the first token'
 Logprobs use the legacy completions format: `tokens`, `token_logprobs`, `top_logprobs` (the
 top-N and the sampled token, by decoded text) and `text_offset` (each token's character offset
 in the choice's text, counted over the decoded tokens).
+
+`max_tokens: 0` scores a prompt: nothing is generated (with `echo` and `logprobs`, the prompt's
+logprobs are the answer). The engine computes the prompt's logprobs while it prefills, and the
+token that prefill samples is dropped here.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from shoal.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from shoal.entrypoints.openai.sampling_extensions import structured_outputs_of
 from shoal.entrypoints.openai.serving import (
     OpenAIServing,
     SSEResponse,
@@ -44,11 +49,21 @@ TokenizedPrompt = tuple[str | None, list[int]]
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
+        if request.tools:
+            raise bad_request("tools are only for /v1/chat/completions", "tools")
         prompts = await self._tokenize_prompts(request)
         for _, token_ids in prompts:
             self.check_prompt(token_ids, request.max_tokens, "prompt")
         echo_logprobs = request.logprobs if request.echo else None
-        params = request.to_sampling_params(request.max_tokens, request.logprobs, prompt_logprobs=echo_logprobs)
+        # Scoring (max_tokens 0): the engine samples one token after the prompt, dropped in _scored.
+        max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
+        params = request.to_sampling_params(
+            max_tokens,
+            request.logprobs,
+            prompt_logprobs=echo_logprobs,
+            structured_outputs=structured_outputs_of(request),
+        )
+        await self.check_params(params)
         request_id = random_id("cmpl")
         if request.stream:
             return SSEResponse(sse_stream(self._stream(request, request_id, prompts, params)))
@@ -99,6 +114,7 @@ class OpenAIServingCompletion(OpenAIServing):
             output = final[i]
             num_prompt_tokens += len(output.prompt_token_ids)
             for completion in sorted(output.outputs, key=lambda c: c.index):
+                completion = _scored(completion) if request.max_tokens == 0 else completion
                 num_completion_tokens += len(completion.token_ids)
                 text, logprobs = self._choice_body(request, output, completion, with_prompt=request.echo)
                 choices.append(
@@ -182,6 +198,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = self._generate_all(request_id, prompts, params, OutputKind.DELTA)
         async for i, output in merge_streams(streams):
             for completion in output.outputs:
+                completion = _scored(completion) if request.max_tokens == 0 else completion
                 index = i * request.n + completion.index
                 num_completion_tokens += len(completion.token_ids)
                 with_prompt = request.echo and not echoed[index]
@@ -214,3 +231,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage=usage(num_prompt_tokens, num_completion_tokens),
             )
             yield sse_event(final)
+
+
+def _scored(completion: CompletionOutput) -> CompletionOutput:
+    """A completion of a scoring request (max_tokens 0): what it generated is dropped."""
+    return CompletionOutput(
+        index=completion.index,
+        text="",
+        token_ids=[],
+        logprobs=[] if completion.logprobs is not None else None,
+        finish_reason="length" if completion.finish_reason is not None else None,
+    )

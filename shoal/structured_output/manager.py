@@ -1,0 +1,168 @@
+"""`StructuredOutputManager`: the engine core's side of structured output.
+
+It compiles each request's grammar on a thread of its own (a slow schema never stalls the
+engine loop; the scheduler keeps the request aside until its grammar is ready), caches what it
+compiled by spec, keeps one `Matcher` per request, advances it by the tokens the engine accepts,
+and fills the token bitmask of a step's structured rows on the host.
+
+A matcher only ever holds accepted tokens — the request's output so far (after its reasoning,
+for a reasoning model). Nothing speculative enters it: with async scheduling the bitmask of a
+step that ran ahead is filled once the step before it has landed (see `EngineCore`), and a
+preempted request keeps its output tokens, so its matcher stays where it is while the KV cache
+is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shoal.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from shoal.config import ModelConfig
+    from shoal.engine_core.request import Request
+    from shoal.structured_output.grammar import GrammarCompiler, Matcher
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse (n > 1, repeated schemas, tool calls of one tool set).
+_CACHE_SIZE = 256
+
+
+class StructuredRequest:
+    """A request's grammar: being compiled, then a matcher (or the error that stopped it)."""
+
+    def __init__(self, params: StructuredOutputsParams, compiled: Future, stop_token_ids: list[int]) -> None:
+        self.params = params
+        self.compiled = compiled
+        self.stop_token_ids = stop_token_ids
+        self.matcher: Matcher | None = None
+        self.error: str | None = None
+        # A reasoning model's output is free until it has written these tokens.
+        self.reasoning_end = params.reasoning_end_token_ids
+        self.in_reasoning = bool(self.reasoning_end)
+        self._recent: list[int] = []  # the last tokens, to find a reasoning end split over steps
+
+    @property
+    def ready(self) -> bool:
+        return self.matcher is not None or self.error is not None
+
+    @property
+    def constrains_next_token(self) -> bool:
+        return self.matcher is not None and not self.in_reasoning
+
+    def start(self) -> bool:
+        """Make the matcher once the grammar is compiled; True once ready (or failed)."""
+        if self.ready:
+            return True
+        if not self.compiled.done():
+            return False
+        from shoal.structured_output.grammar import Matcher
+
+        try:
+            self.matcher = Matcher(self.compiled.result(), self.stop_token_ids)
+        except ValueError as exc:
+            self.error = str(exc)
+        return True
+
+    def accept(self, token_ids: list[int]) -> bool:
+        """Advance by accepted tokens; False when the grammar refused one (the mask was not
+        applied as it should have been: a bug, reported by the caller)."""
+        assert self.matcher is not None
+        for token_id in token_ids:
+            if self.in_reasoning:
+                self._watch_reasoning_end(token_id)
+            elif not self.matcher.accept(token_id):
+                return False
+        return True
+
+    def _watch_reasoning_end(self, token_id: int) -> None:
+        assert self.reasoning_end is not None
+        self._recent = [*self._recent, token_id][-len(self.reasoning_end) :]
+        if self._recent == self.reasoning_end:
+            self.in_reasoning = False
+
+
+class StructuredOutputManager:
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.model_config = model_config
+        self.vocab_size = model_config.vocab_size
+        self.num_words = -(-self.vocab_size // 32)
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+
+    # ---- compiling, off the engine loop --------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling the request's grammar (or reuse a cached one)."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        stop_token_ids = list(request.sampling_params.stop_token_ids)
+        if request.eos_token_id is not None:
+            stop_token_ids.append(request.eos_token_id)
+        request.structured_output = StructuredRequest(params, self._compiled(params), stop_token_ids)
+
+    def _compiled(self, params: StructuredOutputsParams) -> Future:
+        key = params.key
+        future = self._cache.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(key)
+            return future
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar")
+        future = self._executor.submit(self._compile, params)
+        self._cache[key] = future
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        return self._grammar_compiler().compile(params)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on first use, in the compile thread: the tokenizer loads there."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                from shoal.frontend.tokenizer import get_tokenizer
+                from shoal.structured_output.grammar import GrammarCompiler
+
+                tokenizer = get_tokenizer(self.model_config.tokenizer)
+                if tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer, and this model has none")
+                self._compiler = GrammarCompiler(tokenizer, self.vocab_size)
+            return self._compiler
+
+    @staticmethod
+    def wait_for_any(requests: list[Request], timeout_s: float) -> None:
+        """Block until one of `requests`' grammars is compiled, or `timeout_s` has passed (the
+        engine has nothing else to do)."""
+        futures = [r.structured_output.compiled for r in requests if r.structured_output is not None]
+        wait(futures, timeout=timeout_s, return_when="FIRST_COMPLETED")
+
+    # ---- every step, on the host -------------------------------------------------------------
+
+    def fill_bitmask(self, requests: list[Request]) -> tuple[list[str], np.ndarray] | None:
+        """The bitmask rows of the requests whose next token their grammar constrains (in the
+        given order), or None when none is."""
+        constrained = [
+            r for r in requests if r.structured_output is not None and r.structured_output.constrains_next_token
+        ]
+        if not constrained:
+            return None
+        from shoal.structured_output.grammar import fill_rows
+
+        bitmask = np.empty((len(constrained), self.num_words), dtype=np.int32)
+        fill_rows([r.structured_output.matcher for r in constrained], bitmask)  # type: ignore[union-attr,misc]
+        return [r.request_id for r in constrained], bitmask
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
