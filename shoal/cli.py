@@ -55,6 +55,8 @@ _HELP = {
     "quantization": "weight quantization: none or fp8",
     "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
     "ray_address": "the Ray cluster to join; none: start or find a local one",
+    "max_worker_restarts": "re-create a dead Ray worker at most this many times per window, then shut down (0: never)",
+    "worker_restart_window_s": "the window, in seconds, over which --max-worker-restarts counts",
     "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
     "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU)",
 }

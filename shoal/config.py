@@ -83,6 +83,10 @@ class ParallelConfig:
     ray_address: str | None = None
     # Seconds to wait for the placement group before failing with the missing resources.
     placement_group_timeout_s: float = 120.0
+    # Ray workers that die are re-created, at most this many times within any window of
+    # `worker_restart_window_s` seconds; one more death shuts the engine down (0: never restart).
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 3600.0
     # Mixture-of-experts layers: whole experts split across the tensor-parallel ranks instead of
     # every expert's intermediate dimension (docs/moe.md). Set only for MoE architectures.
     enable_expert_parallel: bool = False
@@ -136,6 +140,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: tuple[int, ...] | None = None
     ray_address: str | None = None
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 3600.0
     # None: on for one GPU worker, off otherwise.
     async_scheduling: bool | None = None
     # MoE models: split whole experts across the tensor-parallel ranks (vLLM's flag).
@@ -231,6 +237,8 @@ class EngineArgs:
         _require(
             pp <= model_config.num_layers, f"pipeline_parallel_size={pp} exceeds the {model_config.num_layers} layers"
         )
+        _require(self.max_worker_restarts >= 0, "max_worker_restarts must be >= 0")
+        _require(self.worker_restart_window_s > 0, "worker_restart_window_s must be > 0")
         partition = self.pipeline_layer_partition
         if partition is not None:
             partition = tuple(int(n) for n in partition)
@@ -243,6 +251,8 @@ class EngineArgs:
             distributed_executor_backend=backend,
             pipeline_layer_partition=partition,
             ray_address=self.ray_address,
+            max_worker_restarts=self.max_worker_restarts,
+            worker_restart_window_s=self.worker_restart_window_s,
             enable_expert_parallel=self._expert_parallel(model_config),
         )
 
@@ -305,9 +315,21 @@ def _load_hf_config(model: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(model, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"cannot read the config of model {model!r}: {exc}") from exc
+        raise ValueError(f"cannot read the config of model {model!r}: {explain_remote_code(exc)}") from exc
+
+
+def explain_remote_code(exc: BaseException) -> str:
+    """The reason a transformers load failed, in shoal's words when the folder asked to run code
+    of its own (transformers' own message suggests trust_remote_code=True, which shoal has not)."""
+    if "trust_remote_code" not in str(exc):
+        return str(exc)
+    return (
+        "it asks to run Python code of its own (auto_map in its config.json or tokenizer_config.json), "
+        "and shoal never runs code from a model folder (every transformers load passes "
+        "trust_remote_code=False); use a model whose architecture transformers and shoal support"
+    )
 
 
 def _architecture(hf_config: Any) -> str:

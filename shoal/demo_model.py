@@ -52,12 +52,13 @@ def _convert(gguf_dir: Path, target: Path) -> None:
 
     logger.info("Converting the demo model %s from GGUF to %s (once)", DEMO_MODEL_NAME, target)
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_dir,
         gguf_file=_GGUF_FILE,
         dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True),
+        trust_remote_code=False,
     )
     model = model.half()  # float16: see the module docstring
     target.parent.mkdir(parents=True, exist_ok=True)

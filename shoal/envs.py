@@ -32,7 +32,8 @@ SHOAL_CACHE_DIR: str = _str(
 )
 # Logging level of the `shoal` logger.
 SHOAL_LOGGING_LEVEL: str = _str("SHOAL_LOGGING_LEVEL", "INFO")
-# Threads torch may use on CPU workers (0: torch's default).
+# Threads torch may use on CPU workers (0: the physical cores less one, see
+# shoal/workers/cpu_threads.py; Ray CPU workers get 1 each).
 SHOAL_CPU_THREADS: int = _int("SHOAL_CPU_THREADS", 0)
 # Disable loading the compiled csrc library even where it is built.
 SHOAL_DISABLE_CSRC: bool = _bool("SHOAL_DISABLE_CSRC", False)

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class EngineDeadError(RuntimeError):
     """The engine core process or one of its workers died; the engine cannot serve any more.
     Every waiting client gets this error, and health checks fail from then on."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """Worker actors died (or stopped answering) while the engine core process lives on. The
+    engine core re-creates them and recomputes the running requests (see
+    `EngineCore.recover_from_worker_death`) while `max_worker_restarts` allows; past it, or
+    from any caller that cannot recover, it is the `EngineDeadError` it derives from."""
+
+    def __init__(self, ranks: Iterable[int], message: str) -> None:
+        super().__init__(message)
+        self.ranks = tuple(sorted(set(ranks)))
 
 
 class GenerationHeldError(RuntimeError):

@@ -40,9 +40,12 @@ def load_hf_model(model_config: ModelConfig, device: str) -> Any:
     if model_config.load_format == "dummy":
         with torch.device(device):
             # A copy: transformers writes into the config it is given (attention implementation, ...).
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config.hf_config), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(
+                copy.deepcopy(model_config.hf_config), dtype=dtype, trust_remote_code=False
+            )
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_config.model, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_config.model, dtype=dtype, trust_remote_code=False)
+        model = model.to(device)
     logger.info(
         "transformers loaded %s on %s in %.1f s", model_config.architecture, device, time.perf_counter() - start
     )

@@ -3,6 +3,10 @@
 It owns the scheduler and the executor. This class is the in-process core; the engine-core
 process wraps it with socket threads (see `engine_core/process.py`). Pause/resume and
 sleep/wake_up come from `GenerationControl` (engine_core/generation_control.py).
+
+When a Ray worker dies the executor says so with `WorkerDiedError`; the core then requeues the
+running requests for recompute, has the executor re-create the worker, and carries on, as long as
+`max_worker_restarts` allows (see `recover_from_worker_death` and docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
+from shoal.engine_core.worker_restarts import RestartBudget
+from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 
@@ -65,6 +71,8 @@ class EngineCore(GenerationControl):
             deque() if self.batch_queue_size > 1 else None
         )
         self.step_times = StepTimes()
+        parallel = config.parallel_config
+        self.restart_budget = RestartBudget(parallel.max_worker_restarts, parallel.worker_restart_window_s)
         self._init_generation_control()
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
@@ -112,10 +120,13 @@ class EngineCore(GenerationControl):
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._idle_outputs()
         execute_start = time.perf_counter()
-        if scheduler_output.structured_req_ids:
-            model_output = self._execute_structured(scheduler_output)
-        else:
-            model_output = self.executor.execute_model(scheduler_output)
+        try:  # free unless raised (zero-cost exceptions): nothing added to a step
+            if scheduler_output.structured_req_ids:
+                model_output = self._execute_structured(scheduler_output)
+            else:
+                model_output = self.executor.execute_model(scheduler_output)
+        except WorkerDiedError as exc:
+            return self.recover_from_worker_death(exc)
         execute_s = time.perf_counter() - execute_start
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.step_times.record(time.perf_counter() - start, execute_s)
@@ -144,7 +155,10 @@ class EngineCore(GenerationControl):
             return self._idle_outputs()
         scheduler_output, future, schedule_s, launch_s = self.batch_queue.popleft()
         wait_start = time.perf_counter()
-        model_output = future.result()
+        try:
+            model_output = future.result()
+        except WorkerDiedError as exc:
+            return self.recover_from_worker_death(exc)
         wait_s = time.perf_counter() - wait_start
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self._send_owed_grammar()
@@ -153,6 +167,58 @@ class EngineCore(GenerationControl):
         own_s = schedule_s + (time.perf_counter() - start - wait_s)
         self.step_times.record(own_s + launch_s + wait_s, launch_s + wait_s)
         return outputs
+
+    # ---- a worker's death --------------------------------------------------------------------
+
+    def recover_from_worker_death(self, error: WorkerDiedError) -> EngineCoreOutputs:
+        """Workers died: drop the batches in flight (their output will never come), requeue
+        every running request for recompute, and have the executor re-create the dead workers
+        (same bundles, groups re-formed, weights loaded, KV cache allocated again). The
+        frontend's streams just wait; the tokens they already have are kept and recomputed, not
+        sent again. Raises `EngineDeadError`, with the executor shut down, when the engine may
+        not restart (see `_refuse_restart`)."""
+        self._refuse_restart(error)
+        logger.warning(
+            "%s; restarting worker rank(s) %s (restart %d of at most %d within %g s)",
+            error,
+            list(error.ranks),
+            self.restart_budget.num_recent,
+            self.restart_budget.max_restarts,
+            self.restart_budget.window_s,
+        )
+        start = time.perf_counter()
+        if self.batch_queue is not None:
+            self.batch_queue.clear()
+        self._grammar_owed = None  # its step is gone
+        num_requeued = self.scheduler.requeue_for_recompute()
+        self.executor.restart_workers(list(error.ranks), self.num_kv_blocks)
+        logger.warning(
+            "workers restarted in %.1f s; %d running request(s) requeued for recompute",
+            time.perf_counter() - start,
+            num_requeued,
+        )
+        return self._idle_outputs(wait=False)
+
+    def _refuse_restart(self, error: WorkerDiedError) -> None:
+        """Shut down and raise `EngineDeadError` if the workers may not be re-created: the
+        restart budget is spent, the weights were updated in place (a new worker would load
+        the checkpoint's, and the ranks would disagree), or the engine is asleep (the survivors'
+        weights and KV cache are not where a restart expects them)."""
+        if self.scheduler.weights_updated_in_place:
+            reason = "the weights were updated in place since they were loaded"
+        elif self.sleeping_tags:
+            reason = "the engine is asleep"
+        elif not self.restart_budget.take():
+            budget = self.restart_budget
+            reason = (
+                f"{budget.num_recent} worker restart(s) within {budget.window_s:g} s already "
+                f"(max_worker_restarts={budget.max_restarts})"
+            )
+        else:
+            return
+        logger.error("%s; not restarting (%s): shutting the engine down", error, reason)
+        self.executor.shutdown()
+        raise EngineDeadError(f"{error}; not restarting: {reason}") from error
 
     def _idle_outputs(self, wait: bool = True) -> EngineCoreOutputs:
         """What a step that applied no output reports: the scheduler's statistics, and any
@@ -234,10 +300,16 @@ class EngineCore(GenerationControl):
             "num_steps": self.step_times.num_steps,
             "step_s": self.step_times.total_s,
             "execute_model_s": self.step_times.execute_s,
+            "num_worker_restarts": self.restart_budget.num_restarts,
         }
 
     def check_health(self) -> None:
-        self.executor.check_health()
+        """Raise `EngineDeadError` if the engine cannot serve; workers found dead are
+        re-created first (a death while idle is met here rather than by the next step)."""
+        try:
+            self.executor.check_health()
+        except WorkerDiedError as exc:
+            self.recover_from_worker_death(exc)
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()

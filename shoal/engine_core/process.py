@@ -8,8 +8,9 @@ The frontend starts this process before it has built the config, so that the sec
 process spends importing torch, transformers and the model code overlap with the frontend's own
 start-up; the config follows through a pipe (`run_engine_core_process`).
 
-The frontend binds both sockets; this process connects. Once the engine is built it sends
-READY; if anything fails (start-up or a step) it sends ENGINE_DEAD with the reason and exits.
+The frontend binds both sockets; this process connects (over tcp:// as a CURVE client, with the
+keys the frontend handed it: `shoal/socket_auth.py`). Once the engine is built it sends READY;
+if anything fails (start-up or a step) it sends ENGINE_DEAD with the reason and exits.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from shoal import socket_auth
 from shoal.config import EngineConfig
 from shoal.engine_core.engine_core import EngineCore
 from shoal.errors import EngineDeadError
@@ -73,7 +75,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def run_engine_core_process(config_pipe: Connection, input_address: str, output_address: str) -> None:
+def run_engine_core_process(
+    config_pipe: Connection,
+    input_address: str,
+    output_address: str,
+    keys: socket_auth.EngineCoreKeys | None = None,
+) -> None:
     """The process's entry point (spawned by the multiprocess clients before the frontend has
     a config): import the heavy modules meanwhile, then run the engine core for the config that
     arrives through `config_pipe`."""
@@ -86,7 +93,7 @@ def run_engine_core_process(config_pipe: Connection, input_address: str, output_
         return
     finally:
         config_pipe.close()
-    run_engine_core(config, input_address, output_address)
+    run_engine_core(config, input_address, output_address, keys)
 
 
 def freeze_start_up_heap() -> None:
@@ -100,8 +107,11 @@ def freeze_start_up_heap() -> None:
     gc.freeze()
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Run the engine core and its socket threads until SIGTERM or a failure."""
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, keys: socket_auth.EngineCoreKeys | None = None
+) -> None:
+    """Run the engine core and its socket threads until SIGTERM or a failure; `keys` (tcp://)
+    make both sockets CURVE clients of the frontend."""
     from shoal.logger import configure_logging
 
     configure_logging()
@@ -109,19 +119,21 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
     context = zmq.Context()
-    output_socket = context.socket(zmq.PUSH)
+    output_socket = _connected_socket(context, zmq.PUSH, output_address, keys)
     output_socket.setsockopt(zmq.LINGER, 2000)
-    output_socket.connect(output_address)
     proc: EngineCoreProc | None = None
     try:
         core = EngineCore(config)
         freeze_start_up_heap()
-        proc = EngineCoreProc(core, context, input_address, output_socket)
+        proc = EngineCoreProc(core, context, input_address, output_socket, keys)
         proc.run_busy_loop()
     except SystemExit:
         pass
     except BaseException as exc:
-        logger.error("engine core failed:\n%s", traceback.format_exc())
+        if isinstance(exc, EngineDeadError):  # workers died past what may be restarted: no bug
+            logger.error("engine core stopped: %s", exc)
+        else:
+            logger.error("engine core failed:\n%s", traceback.format_exc())
         message = f"{type(exc).__name__}: {exc}"
         if proc is not None:
             proc.send_dead(message)
@@ -135,9 +147,27 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         context.term()
 
 
+def _connected_socket(
+    context: zmq.Context, kind: int, address: str, keys: socket_auth.EngineCoreKeys | None
+) -> zmq.Socket:
+    socket = context.socket(kind)
+    if keys is not None:
+        socket_auth.secure_client(socket, keys)
+    socket.connect(address)
+    return socket
+
+
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, context: zmq.Context, input_address: str, output_socket: zmq.Socket):
+    def __init__(
+        self,
+        core: EngineCore,
+        context: zmq.Context,
+        input_address: str,
+        output_socket: zmq.Socket,
+        keys: socket_auth.EngineCoreKeys | None = None,
+    ):
         self.core = core
+        self._keys = keys
         self.input_queue: queue.Queue[tuple[MessageType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[list[bytes] | None] = queue.Queue()
         self._output_socket = output_socket
@@ -226,8 +256,7 @@ class EngineCoreProc:
     # ---- socket threads ---------------------------------------------------------------------
 
     def _receive(self, context: zmq.Context, input_address: str) -> None:
-        socket = context.socket(zmq.PULL)
-        socket.connect(input_address)
+        socket = _connected_socket(context, zmq.PULL, input_address, self._keys)
         try:
             while True:
                 frames = socket.recv_multipart(copy=False)

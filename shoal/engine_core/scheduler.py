@@ -523,6 +523,31 @@ class Scheduler:
         self.kv_cache_manager.reset_prefix_cache()
         return True
 
+    # ---- recovery from a worker's death -----------------------------------------------------
+
+    def requeue_for_recompute(self) -> int:
+        """The workers lost their state (one was re-created; every rank starts over with an
+        empty batch and a KV cache of unknown content): forget the steps in flight, whose output
+        will never come, and preempt every running request by recompute. Output tokens already
+        sampled stay; a requeued request computes its prompt and them again, then samples the
+        next. Returns how many requests were requeued."""
+        for step in self._scheduled.values():
+            for request in step.requests.values():
+                request.num_steps_in_flight -= 1
+        self._scheduled.clear()
+        num_requeued = len(self.running)
+        self.preempt_all_running()  # (which drops their placeholders too)
+        # No worker knows any request now; there is nothing to tell them about finished ones.
+        self._finished_req_ids.clear()
+        self.reset_prefix_cache()
+        return num_requeued
+
+    @property
+    def weights_updated_in_place(self) -> bool:
+        """Whether weights were updated since they were loaded (a re-created worker, which
+        loads the checkpoint, would not run them)."""
+        return self._num_weight_updates > 0
+
     def advance_weight_version(self, name: str | None = None) -> str:
         """New weights are in: later steps run with version `name`, or by default with the
         number of updates so far ("1", "2", ...). Returns the new version. Weights discarded by a

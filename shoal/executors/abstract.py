@@ -13,17 +13,18 @@ from typing import Any, Literal, Protocol, overload
 
 from shoal.config import EngineConfig
 from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from shoal.errors import EngineDeadError
+from shoal.errors import EngineDeadError, WorkerDiedError
 
 logger = logging.getLogger(__name__)
-__all__ = ["EngineDeadError", "Executor", "StepFuture"]
+__all__ = ["EngineDeadError", "Executor", "StepFuture", "WorkerDiedError"]
 
 
 class StepFuture(Protocol):
     """A step still running on the workers (`execute_model(..., non_block=True)`)."""
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        """Wait for the step; its sampled tokens, or `EngineDeadError` if a worker died."""
+        """Wait for the step; its sampled tokens, or `WorkerDiedError` if a worker died
+        (`EngineDeadError` if the workers failed otherwise)."""
         ...
 
 
@@ -95,8 +96,16 @@ class Executor(ABC):
         return num_blocks
 
     def check_health(self) -> None:
-        """Raise `EngineDeadError` if any worker is gone (an in-process worker cannot be)."""
+        """Raise `EngineDeadError` if the workers cannot run (an in-process worker cannot be
+        gone); `WorkerDiedError` names workers that died and may be re-created."""
         return None
+
+    def restart_workers(self, ranks: list[int], num_kv_blocks: int) -> None:
+        """Re-create the workers of `ranks` (after `WorkerDiedError`) so that every rank can
+        run steps again: the new ones loaded, every rank's groups re-formed, every KV cache
+        allocated again with `num_kv_blocks` blocks and no request in any batch. Raises
+        `EngineDeadError` when that cannot be done."""
+        raise EngineDeadError(f"{type(self).__name__} cannot restart workers")
 
     def shutdown(self) -> None:
         """Stop the workers and free their resources."""

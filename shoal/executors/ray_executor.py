@@ -9,15 +9,24 @@ through Ray); load the model.
 
 A step is encoded once (msgspec), put in the object store once, and every worker gets the same
 reference; all of them run it, and only the last stage's tensor rank 0 returns tokens. Waiting
-watches every worker at once, so a worker that dies surfaces as `EngineDeadError` within a
-moment even while the others sit blocked in a collective with it (shutdown kills them).
+watches every worker at once, so a worker that dies during a step surfaces as `WorkerDiedError`
+within a moment even while the others sit blocked in a collective with it. The engine core then
+calls `restart_workers`: the dead actor is re-created in its bundle, every rank joins a new
+torch.distributed world (new groups, new NCCL communicators), the new worker loads the model and
+every worker allocates its KV cache again. A death anywhere else (start-up, `collective_rpc`,
+the restart itself) is `EngineDeadError`: the engine is dead.
+
+Workers are named actors (`shoal-worker-<engine id>-<rank>-<incarnation>` in the namespace
+`shoal`), so that `ray list actors` tells them apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.distributed.parallel_state import pp_group_ranks, tp_group_ranks
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
-from shoal.errors import EngineDeadError
+from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors import ray_utils
 from shoal.executors.abstract import Executor
 
@@ -37,6 +46,12 @@ logger = logging.getLogger(__name__)
 
 # How long a health check waits for every worker to answer a ping.
 HEALTH_CHECK_TIMEOUT_S = 5.0
+# After a worker died, how long a survivor may take to finish the calls queued on it before it
+# rejoins. On gloo its step fails within milliseconds once the dead peer's sockets close; NCCL
+# cannot tell, and a survivor blocked in a collective with the dead peer is re-created too.
+DRAIN_TIMEOUT_S = 10.0
+# The Ray namespace of the worker actors' names.
+WORKER_NAMESPACE = "shoal"
 
 
 class RayExecutor(Executor):
@@ -48,13 +63,19 @@ class RayExecutor(Executor):
         self.sampling_rank = (self.pp_size - 1) * self.tp_size
         self.workers: list[Any] = []  # actor handles in rank order
         self._dead: str | None = None
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._incarnations = [0] * parallel.world_size  # how many times each rank was started
+        # The calls of a step that failed: read once the survivors are drained, so that Ray does
+        # not report their errors as unhandled.
+        self._failed_step_refs: list[Any] = []
         num_cpus = max(os.cpu_count() or 1, parallel.world_size) if self.device == "cpu" else None
         ray_utils.connect_to_ray(parallel.ray_address, num_cpus)
         self.placement_group, bundle_indices, self._owns_placement_group = ray_utils.reserve_placement_group(
             parallel.world_size, self.device, parallel.placement_group_timeout_s
         )
+        self.bundle_indices = bundle_indices  # by rank
         try:
-            self.workers = self._start_workers(bundle_indices)
+            self.workers = [self._start_worker(rank) for rank in range(parallel.world_size)]
             # The first call waits for every actor to be scheduled and constructed.
             self.collective_rpc("init_device", timeout=parallel.placement_group_timeout_s)
             self.worker_node_ids: list[str] = self._wait([w.node_id.remote() for w in self.workers], None, "start-up")
@@ -78,20 +99,19 @@ class RayExecutor(Executor):
 
     # ---- start-up ------------------------------------------------------------------------------
 
-    def _start_workers(self, bundle_indices: list[int]) -> list[Any]:
-        """One actor per rank, pinned to its bundle, with the forwarded environment."""
+    def _start_worker(self, rank: int) -> Any:
+        """The actor of `rank`, pinned to its bundle, named, with the forwarded environment."""
         resources = {"num_gpus": 1, "num_cpus": 0} if self.device == "cuda" else {"num_cpus": 1}
         runtime_env = {"env_vars": ray_utils.worker_env_vars(self.device)}
-        return [
-            ray_utils.RayWorker.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=bundle_index
-                ),
-                runtime_env=runtime_env,
-                **resources,
-            ).remote(self.config, rank)
-            for rank, bundle_index in enumerate(bundle_indices)
-        ]
+        return ray_utils.RayWorker.options(
+            name=f"shoal-worker-{self.engine_id}-{rank}-{self._incarnations[rank]}",
+            namespace=WORKER_NAMESPACE,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=self.bundle_indices[rank]
+            ),
+            runtime_env=runtime_env,
+            **resources,
+        ).remote(self.config, rank)
 
     def _init_method(self) -> str:
         """tcp://<rank 0's node IP>:<a port free there>, where torch.distributed meets."""
@@ -127,13 +147,22 @@ class RayExecutor(Executor):
         name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
         return self._wait(refs, timeout, f"collective_rpc({name})")
 
-    def _wait(self, refs: list[Any], timeout: float | None, what: str) -> list[Any]:
-        """Each worker's result, in rank order (`refs` holds one call per rank).
+    def _wait(self, refs: list[Any], timeout: float | None, what: str, ranks: list[int] | None = None) -> list[Any]:
+        """Each call's result, in order (`refs` holds one call per rank, or per rank of
+        `ranks`); a dead worker is `EngineDeadError` (see `_gather`)."""
+        try:
+            return self._gather(refs, timeout, what, ranks)
+        except _WorkerLost as lost:
+            raise self._mark_dead(f"worker rank {lost.rank} died during {what}: {_first_line(lost.error)}") from (
+                lost.error
+            )
 
-        Watches every call at once, so that a dead worker raises `EngineDeadError` as soon as
-        Ray reports it rather than after the calls before it, which may never return (their
-        workers are blocked in a collective with the dead one). TimeoutError past `timeout`.
-        """
+    def _gather(self, refs: list[Any], timeout: float | None, what: str, ranks: list[int] | None = None) -> list[Any]:
+        """Each call's result, in order. Watches every call at once, so that a dead worker is
+        reported (`_WorkerLost`) as soon as Ray knows rather than after the calls before it,
+        which may never return (their workers are blocked in a collective with the dead one).
+        A worker's own exception comes as Ray raises it; TimeoutError past `timeout`."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
         results: dict[Any, Any] = {}
         pending = list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -141,14 +170,27 @@ class RayExecutor(Executor):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             if not ready:
-                ranks = [refs.index(ref) for ref in pending]
-                raise TimeoutError(f"{what}: worker ranks {ranks} did not answer within {timeout:g} s")
+                late = [ranks[refs.index(ref)] for ref in pending]
+                raise TimeoutError(f"{what}: worker ranks {late} did not answer within {timeout:g} s")
             try:
                 results[ready[0]] = ray.get(ready[0])
             except RayActorError as exc:
-                who = f"worker rank {refs.index(ready[0])}" if len(refs) == len(self.workers) else "a worker"
-                raise self._mark_dead(f"{who} died during {what}: {_first_line(exc)}") from exc
+                raise _WorkerLost(ranks[refs.index(ready[0])], exc) from exc
         return [results[ref] for ref in refs]
+
+    def _step_failed(self, error: BaseException) -> EngineDeadError:
+        """A step failed: a worker died (and its peers' steps failed with it, in a collective),
+        or a worker raised. `WorkerDiedError` naming the dead workers if there are any, which
+        the engine core may re-create; otherwise the engine is dead."""
+        dead = self._unresponsive_ranks()
+        if dead:
+            return WorkerDiedError(dead, f"{_ranks_text(dead)} died during a step: {_first_line(error)}")
+        return self._mark_dead(f"a worker failed during a step: {_first_line(error)}")
+
+    def _unresponsive_ranks(self, timeout: float = HEALTH_CHECK_TIMEOUT_S) -> list[int]:
+        """The ranks whose actor is dead or does not answer a ping within `timeout` (pings are
+        answered on a thread of their own, even in the middle of a step)."""
+        return _unanswered([w.ping.remote() for w in self.workers], list(range(len(self.workers))), timeout)
 
     def _mark_dead(self, reason: str) -> EngineDeadError:
         """Remember why the engine cannot run any more; every later call fails with it."""
@@ -162,17 +204,72 @@ class RayExecutor(Executor):
     # ---- health and shutdown ----------------------------------------------------------------------
 
     def check_health(self) -> None:
-        """Ping every worker (answered on a thread of its own, even during a step)."""
-        try:
-            self._wait([w.ping.remote() for w in self.workers], HEALTH_CHECK_TIMEOUT_S, "a health check")
-        except TimeoutError as exc:
-            raise EngineDeadError(str(exc)) from exc
+        """Ping every worker (answered on a thread of its own, even during a step); a worker
+        that is dead or does not answer within HEALTH_CHECK_TIMEOUT_S is `WorkerDiedError`."""
         self._check_alive()
+        dead = self._unresponsive_ranks()
+        if dead:
+            raise WorkerDiedError(dead, f"{_ranks_text(dead)} found dead by a health check")
+
+    # ---- restarts -------------------------------------------------------------------------------
+
+    def restart_workers(self, ranks: list[int], num_kv_blocks: int) -> None:
+        """Re-create the workers of `ranks` in their bundles, and any survivor that cannot
+        finish what it was doing (see DRAIN_TIMEOUT_S); the other survivors keep their weights
+        and leave their groups. Then every rank joins a new world, the new workers load the
+        model, and every worker allocates its KV cache of `num_kv_blocks` blocks again. Any
+        failure on the way (a worker dying or raising, a bundle that cannot be placed again
+        within placement_group_timeout_s) is `EngineDeadError`."""
+        self._check_alive()
+        try:
+            self._restart(ranks, num_kv_blocks)
+        except (TimeoutError, RayTaskError) as exc:
+            raise self._mark_dead(f"restarting worker ranks {ranks} failed: {_first_line(exc)}") from exc
+
+    def _restart(self, ranks: list[int], num_kv_blocks: int) -> None:
+        replaced = sorted(set(ranks) | set(self._stuck_ranks([r for r in range(len(self.workers)) if r not in ranks])))
+        survivors = [rank for rank in range(len(self.workers)) if rank not in replaced]
+        for rank in replaced:
+            ray.kill(self.workers[rank])  # dead already, or stuck in a collective with the dead
+        self._read_failed_step()
+        self._call(survivors, "leave_distributed")
+        for rank in replaced:
+            self._incarnations[rank] += 1
+            self.workers[rank] = self._start_worker(rank)
+        # The first call waits for the new actors to be scheduled (their bundles freed) and built.
+        self._call(replaced, "init_device", timeout=self.config.parallel_config.placement_group_timeout_s)
+        self.worker_node_ids = self._wait([w.node_id.remote() for w in self.workers], None, "a restart")
+        self.collective_rpc("init_distributed", (self._init_method(), self._nccl_unique_ids()))
+        self._call(replaced, "load_model")
+        self.collective_rpc("initialize_kv_cache", (num_kv_blocks,))
+        logger.info("re-created worker rank(s) %s; every rank rejoined", replaced)
+
+    def _stuck_ranks(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` that do not finish the calls queued on them within DRAIN_TIMEOUT_S
+        (or died meanwhile): a call queued behind them answers when they are done."""
+        refs = [self.workers[rank].execute_method.remote("check_health", (), {}) for rank in ranks]
+        return _unanswered(refs, ranks, DRAIN_TIMEOUT_S)
+
+    def _read_failed_step(self) -> None:
+        """Read the failed step's results that are in (its errors are known and expected)."""
+        refs, self._failed_step_refs = self._failed_step_refs, []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        for ref in ready:
+            with contextlib.suppress(RayActorError, RayTaskError):
+                ray.get(ref)
+
+    def _call(self, ranks: list[int], method: str, timeout: float | None = None) -> list[Any]:
+        """`method` on the workers of `ranks` only (a restart's steps)."""
+        refs = [self.workers[rank].execute_method.remote(method, (), {}) for rank in ranks]
+        return self._wait(refs, timeout, f"a restart ({method})", ranks)
 
     def shutdown(self) -> None:
         """Kill the workers and remove the placement group if this executor created it."""
+        if self._dead is None:
+            self._dead = "the executor is shut down"
         if not ray.is_initialized():
             return
+        self._read_failed_step()
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
@@ -190,11 +287,45 @@ class RayStepFuture:
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
         try:
-            outputs = self.executor._wait(self.refs, timeout, "a step")
+            outputs = self.executor._gather(self.refs, timeout, "a step")
+        except _WorkerLost as lost:
+            self.executor._failed_step_refs = self.refs
+            raise self.executor._step_failed(lost.error) from lost.error
         except RayTaskError as exc:
-            # A worker raised mid-step: its peers may be stuck in a collective; nothing can run.
-            raise self.executor._mark_dead(f"a worker failed during a step: {_first_line(exc)}") from exc
+            # A worker raised: a peer died under it (the collective failed), or a bug.
+            self.executor._failed_step_refs = self.refs
+            raise self.executor._step_failed(exc) from exc
         return msgspec.msgpack.decode(outputs[self.executor.sampling_rank], type=ModelRunnerOutput)
+
+
+class _WorkerLost(Exception):
+    """The actor of `rank` died while a call waited on it (`RayExecutor._gather`)."""
+
+    def __init__(self, rank: int, error: RayActorError) -> None:
+        super().__init__(rank, error)
+        self.rank = rank
+        self.error = error
+
+
+def _unanswered(refs: list[Any], ranks: list[int], timeout: float) -> list[int]:
+    """Those of `ranks` (one call each, in `refs`) whose call did not answer within `timeout`
+    or whose actor died."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    answered = set(ready)
+    return [rank for rank, ref in zip(ranks, refs) if ref not in answered or _actor_died(ref)]
+
+
+def _actor_died(ref: Any) -> bool:
+    """Whether the (finished) call `ref` failed because its actor died."""
+    try:
+        ray.get(ref)
+    except RayActorError:
+        return True
+    return False
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"worker rank {ranks[0]}" if len(ranks) == 1 else f"worker ranks {', '.join(map(str, ranks))}"
 
 
 def _first_line(exc: BaseException) -> str:

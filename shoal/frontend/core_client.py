@@ -14,6 +14,9 @@ code) overlaps with the frontend building the config and loading the tokenizer.
 If the engine-core process dies, a monitor thread notices (the process sentinel) and delivers
 an ENGINE_DEAD message through the output socket, so every waiting caller gets
 `EngineDeadError` instead of hanging.
+
+Over tcp:// both sockets are CURVE-authenticated and encrypted with keys made for this engine
+(`shoal/socket_auth.py`); over ipc:// they live in a directory only this user can enter.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 import zmq
 
+from shoal import socket_auth
 from shoal.config import EngineConfig
 from shoal.errors import EngineDeadError
 from shoal.protocol import (
@@ -134,7 +138,8 @@ def make_addresses(transport: str = "ipc", host: str = "127.0.0.1") -> tuple[str
     """Input and output socket addresses, and the private directory of ipc sockets.
 
     ipc:// sockets live in a fresh directory only this user can enter (mode 0700); tcp://
-    addresses bind to `host` (loopback unless told otherwise) on free ports.
+    addresses bind to `host` (loopback unless told otherwise) on free ports, and the sockets
+    on them are CURVE-authenticated (see `MPClient`).
     """
     if transport == "ipc":
         directory = tempfile.mkdtemp(prefix="shoal-")
@@ -175,18 +180,21 @@ class MPClient:
         self.dead_error: EngineDeadError | None = None
         self.num_kv_blocks: int | None = None
         self.context = zmq.Context()
-        input_address, self.output_address, self._ipc_dir = make_addresses(transport)
-        self.input_socket = self.context.socket(zmq.PUSH)
-        self.input_socket.bind(input_address)
-        self.output_socket = self.context.socket(zmq.PULL)
-        self.output_socket.bind(self.output_address)
+        self.input_address, self.output_address, self._ipc_dir = make_addresses(transport)
+        input_address = self.input_address
+        # tcp:// may be reachable from other hosts: only the engine core's key gets through.
+        self._keys = socket_auth.EngineKeys.generate() if input_address.startswith("tcp://") else None
+        self._authenticator = None if self._keys is None else socket_auth.start_authenticator(self.context, self._keys)
+        self.input_socket = self._bound_socket(zmq.PUSH, input_address)
+        self.output_socket = self._bound_socket(zmq.PULL, self.output_address)
         from shoal.engine_core.process import run_engine_core_process
 
         spawn = multiprocessing.get_context("spawn")
         config_receiver, self._config_sender = spawn.Pipe(duplex=False)
         self.process = spawn.Process(
             target=run_engine_core_process,
-            args=(config_receiver, input_address, self.output_address),
+            # The engine core's keys travel with its arguments (a local pipe), never on a socket.
+            args=(config_receiver, input_address, self.output_address, self._core_keys),
             name="shoal-engine-core",
             daemon=True,
         )
@@ -197,6 +205,17 @@ class MPClient:
     @property
     def engine_core_pid(self) -> int | None:
         return self.process.pid
+
+    @property
+    def _core_keys(self) -> socket_auth.EngineCoreKeys | None:
+        return None if self._keys is None else self._keys.engine_core
+
+    def _bound_socket(self, kind: int, address: str) -> zmq.Socket:
+        socket = self.context.socket(kind)
+        if self._keys is not None:
+            socket_auth.secure_server(socket, self._keys)
+        socket.bind(address)
+        return socket
 
     def start(self, config: EngineConfig) -> None:
         with contextlib.suppress(BrokenPipeError):  # the process died: wait_until_ready reports it
@@ -231,6 +250,8 @@ class MPClient:
         message = f"the engine-core process died (exit code {self.process.exitcode})"
         logger.error(message)
         notifier = self.context.socket(zmq.PUSH)
+        if self._core_keys is not None:  # it speaks for the engine core
+            socket_auth.secure_client(notifier, self._core_keys)
         notifier.connect(self.output_address)
         notifier.send_multipart(encode(MessageType.ENGINE_DEAD, EngineDead(message)))
         notifier.close(linger=1000)
@@ -276,6 +297,8 @@ class MPClient:
         self.input_socket.close(linger=0)
         if not self._reader_started:
             self.output_socket.close(linger=0)
+        if self._authenticator is not None:  # its sockets would hold term() up
+            self._authenticator.stop()
         # With a reader thread, term() wakes its recv and the thread closes the socket itself
         # (a ZeroMQ socket must only be touched by one thread at a time).
         self.context.term()

@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from shoal.config import explain_remote_code
+
 logger = logging.getLogger(__name__)
 
 # A folder holding none of these has no tokenizer (a config.json alone, for load_format="dummy").
@@ -22,9 +24,10 @@ def get_tokenizer(path: str) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        # Never code from the folder (a tokenizer class of its own): see `explain_remote_code`.
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {explain_remote_code(exc)}") from exc
 
 
 def generation_eos_token_ids(model_path: str) -> list[int]:
@@ -34,7 +37,7 @@ def generation_eos_token_ids(model_path: str) -> list[int]:
         return []
     from transformers import GenerationConfig
 
-    eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    eos = GenerationConfig.from_pretrained(model_path, trust_remote_code=False).eos_token_id
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

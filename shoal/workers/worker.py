@@ -3,7 +3,8 @@
 The same class runs in the engine-core process (`UniProcExecutor`) and inside a Ray actor
 (`RayExecutor`), one per GPU or CPU bundle. Start-up: `init_device`, then (several workers only)
 `init_distributed`, then `load_model`. `sleep` / `wake_up` free and restore the weights' and KV
-cache's memory (shoal/workers/sleep.py).
+cache's memory (shoal/workers/sleep.py). After a peer's death the survivors `leave_distributed`
+and join the new world with the peer's replacement (see docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
+from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
 from shoal.workers.sleep import KV_CACHE, WEIGHTS, WorkerSleep
@@ -46,8 +48,9 @@ class Worker:
             # Ray (or the user) already chose the visible GPUs; never reassign them here.
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-        elif envs.SHOAL_CPU_THREADS > 0:
-            torch.set_num_threads(envs.SHOAL_CPU_THREADS)
+        else:
+            torch.set_num_threads(envs.SHOAL_CPU_THREADS or default_cpu_threads())
+            logger.info("CPU worker: %d torch threads", torch.get_num_threads())
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
         self.sleep_state = WorkerSleep(self.model_runner, self.config.model_config.enable_sleep_mode)
@@ -70,6 +73,23 @@ class Worker:
     def load_model(self) -> None:
         with self.sleeper.allocating(WEIGHTS):
             self.runner.load_model()
+
+    def leave_distributed(self) -> None:
+        """A peer died and is being re-created: forget every request, the KV cache and the CUDA
+        graphs (a fresh `ModelRunner` over the same model), and leave the groups, whose
+        communicators include the dead peer. The weights stay; `init_distributed` and
+        `initialize_kv_cache` follow, at the same time as on the new peer."""
+        model = self.runner.model
+        if model is not None:
+            for layer in model.attention_layers():
+                layer.kv_cache = None  # the old cache goes before the new one is allocated
+        # The old runner, and with it its CUDA graphs, goes before the communicators whose calls
+        # the graphs captured (NCCL waits for such graphs to be destroyed).
+        self.model_runner = None
+        parallel_state.destroy_model_parallel()
+        self.model_runner = ModelRunner(self.config, self.device)
+        self.model_runner.model = model
+        self.sleeper.runner = self.model_runner  # (the engine never restarts workers while asleep)
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit in this worker's budget (CPU: a fixed byte budget; GPU:

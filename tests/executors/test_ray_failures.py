@@ -1,5 +1,7 @@
-"""A worker that dies turns into `EngineDeadError` within seconds, in generate() and in the
-health check, never a hang (its peers stay blocked in a collective with it)."""
+"""A worker actor that dies is re-created and the engine carries on with the same greedy tokens;
+past `max_worker_restarts` the next death is `EngineDeadError` within seconds, in generate()
+and in the health check, never a hang (its peers stay blocked in a collective with it), and
+the engine's workers and placement group are gone."""
 
 from __future__ import annotations
 
@@ -10,35 +12,54 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.errors import EngineDeadError
 
+PROMPTS = ["The quick brown fox", "Hello world! This is a longer prompt of several words"]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "killed_rank"),
+    ("tp", "pp", "first_killed", "second_killed"),
     [
-        (2, 1, 1),  # rank 0 waits for rank 1 in an all-reduce
-        (1, 2, 0),  # the last stage waits for the first stage's hidden states
+        (2, 1, 1, 0),  # the survivor waits in an all-reduce; then rank 0, which hosts the rendezvous
+        (1, 2, 0, 1),  # the last stage waits for the first stage's hidden states; then the last
     ],
 )
-def test_killed_worker_raises_engine_dead_error_quickly(
-    ray_cluster: dict, tiny_checkpoints: dict, tp: int, pp: int, killed_rank: int
+def test_killed_worker_is_restarted_until_the_limit(
+    ray_cluster: dict, tiny_checkpoints: dict, tp: int, pp: int, first_killed: int, second_killed: int
 ) -> None:
     import ray
 
-    llm = LLM(str(tiny_checkpoints["llama"]), tensor_parallel_size=tp, pipeline_parallel_size=pp, multiprocess=False)
+    llm = LLM(
+        str(tiny_checkpoints["llama"]),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_worker_restarts=1,
+        multiprocess=False,
+    )
     executor = llm.engine_core.core.executor
     placement_group = executor.placement_group
     try:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        killed = executor.workers[first_killed]
+        ray.kill(killed)
+        # The next step meets the dead worker; it is re-created and the requests recomputed.
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert executor.workers[first_killed] is not killed
+        stats = llm.get_stats()
+        assert stats["num_worker_restarts"] == 1 and stats["num_used_blocks"] == 0
         executor.check_health()
-        ray.kill(executor.workers[killed_rank])
 
+        ray.kill(executor.workers[second_killed])
         start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=f"worker rank {killed_rank} died"):
-            llm.generate("The quick brown fox", SamplingParams(max_tokens=4), use_tqdm=False)
-        assert time.monotonic() - start < 10
-
+        with pytest.raises(EngineDeadError, match=f"worker rank {second_killed} died.*max_worker_restarts=1"):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert time.monotonic() - start < 20
         start = time.monotonic()
         with pytest.raises(EngineDeadError):
             llm.engine_core.core.check_health()
         assert time.monotonic() - start < 10
+        # Past the limit the engine shut its workers down at once.
+        assert executor.workers == []
     finally:
         llm.shutdown()
     # The executor created the placement group, so shutdown removed it.

@@ -1,23 +1,29 @@
 """The engine core in its own process: the synchronous client behind `LLM`, the asyncio client
-behind `AsyncLLM`, and what happens when the process dies."""
+behind `AsyncLLM`, what happens when the process dies, and over tcp:// that only the engine's own
+keys get through its sockets."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
+import zmq
 
 from shoal import LLM, SamplingParams
 from shoal.config import EngineArgs
 from shoal.errors import EngineDeadError
 from shoal.frontend.async_llm import AsyncLLM
 from shoal.frontend.output_processor import OutputKind
+from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, MessageType, encode
+from shoal.socket_auth import EngineCoreKeys, secure_client
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "Hello world! This is", "one two three four"]
@@ -34,8 +40,12 @@ def expected(llama: str) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.timeout(120)  # a stolen request would never finish
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_multiprocess_llm_equals_in_process(llama: str, expected: list, transport: str, monkeypatch) -> None:
+    """Over tcp:// with intruders at both sockets: peers with no key, or a key pair of their own,
+    that try to take requests off the input socket and to forge outputs into the output socket;
+    they get nothing through, and the engine serves its frontend as if they were not there."""
     from shoal.frontend import core_client
 
     real = core_client.make_addresses
@@ -43,10 +53,67 @@ def test_multiprocess_llm_equals_in_process(llama: str, expected: list, transpor
     with LLM(llama) as llm:
         assert isinstance(llm.engine_core, core_client.SyncMPClient)
         assert llm.engine_core.engine_core_pid != os.getpid()
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        intruders = Intruders(llm.engine_core) if transport == "tcp" else None
+        try:
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        finally:
+            stolen = intruders.stop() if intruders is not None else []
         assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert stolen == []
         assert llm.collective_rpc("report_device") == ["cpu"]
         assert llm.get_stats()["num_used_blocks"] == 0
+
+
+class Intruders:
+    """A thread of peers without the engine core's keys: at the input socket, PULLs that would
+    take requests; at the output socket, PUSHes that keep sending outputs finishing request "0"
+    (the first of `LLM.generate`) with made-up tokens, every 10 ms."""
+
+    def __init__(self, client: object) -> None:
+        public_key, secret_key = zmq.curve_keypair()
+        # It knows the frontend's public key (no secret), but has a key pair of its own.
+        own_keys = EngineCoreKeys(client._keys.public_key, public_key, secret_key)  # type: ignore[attr-defined]
+        self._keys = [None, own_keys]
+        self._addresses = (client.input_address, client.output_address)  # type: ignore[attr-defined]
+        self._stop = threading.Event()
+        self._stolen: list[bytes] = []
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        input_address, output_address = self._addresses
+        thieves = [self._socket(context, zmq.PULL, input_address, keys) for keys in self._keys]
+        forgers = [self._socket(context, zmq.PUSH, output_address, keys) for keys in self._keys]
+        forged = encode(
+            MessageType.OUTPUTS, EngineCoreOutputs([EngineCoreOutput("0", [1, 2, 3], finish_reason="stop")])
+        )
+        time.sleep(0.5)  # their handshakes are tried (and refused) before the requests go out
+        self._ready.set()
+        while not self._stop.wait(0.01):
+            for forger in forgers:
+                with contextlib.suppress(zmq.Again):  # no connection to send on
+                    forger.send_multipart(forged, flags=zmq.NOBLOCK)
+            for thief in thieves:
+                while thief.poll(timeout=0):
+                    self._stolen.append(thief.recv())
+        context.destroy(linger=0)
+
+    @staticmethod
+    def _socket(context: zmq.Context, kind: int, address: str, keys: EngineCoreKeys | None) -> zmq.Socket:
+        socket = context.socket(kind)
+        if keys is not None:
+            secure_client(socket, keys)
+        socket.connect(address)
+        return socket
+
+    def stop(self) -> list[bytes]:
+        """Stop; what the thieves received."""
+        self._stop.set()
+        self._thread.join(10)
+        return self._stolen
 
 
 def test_killed_engine_process_raises_engine_dead_quickly(llama: str) -> None:
