@@ -64,6 +64,9 @@ def test_a_cuda_graph_over_released_memory_replays_after_restore(pool: sleep_mem
     with pool.allocating("b"):
         cache = torch.randn(1024, 1024, device="cuda")
     inputs = torch.randn(8, 1024, device="cuda")
+    # Once eagerly first: cuBLAS creates its handle and workspace on first use, which a capture
+    # cannot do (run alone, this is the process's first matmul).
+    inputs @ weight + cache[:8]
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
