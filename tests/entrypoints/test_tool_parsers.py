@@ -48,6 +48,24 @@ CASES = [
         "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(WEATHER) + "[TOOL_CALLS]get_time[ARGS]" + json.dumps(TIME),
         None,
     ),
+    (
+        "deepseek_v3",
+        "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        + json.dumps(WEATHER)
+        + "\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n"
+        + json.dumps(TIME)
+        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Let me check.",
+    ),
+    (
+        "deepseek_v31",
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        + json.dumps(WEATHER)
+        + "<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>"
+        + json.dumps(TIME)
+        + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        None,
+    ),
 ]
 
 
@@ -84,7 +102,7 @@ def _stream(parser: ToolParser, text: str, step: int) -> tuple[str, list[dict]]:
 
 
 def test_plain_answers_are_content() -> None:
-    for name in ("hermes", "llama3_json", "mistral"):
+    for name in ("hermes", "llama3_json", "mistral", "deepseek_v3"):
         assert get_tool_parser(name).tool_calls("The weather is fine.") == ("The weather is fine.", [])
 
 

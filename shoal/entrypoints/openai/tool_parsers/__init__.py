@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shoal.entrypoints.openai.tool_parsers.base import ParsedOutput, ToolCallDraft, ToolCallStreamer, ToolParser
+from shoal.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from shoal.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from shoal.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from shoal.entrypoints.openai.tool_parsers.mistral import MistralToolParser
@@ -11,6 +12,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV3ToolParser,
 }
 
 __all__ = ["TOOL_PARSERS", "ParsedOutput", "ToolCallDraft", "ToolCallStreamer", "ToolParser", "get_tool_parser"]
