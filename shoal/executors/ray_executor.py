@@ -75,7 +75,7 @@ class RayExecutor(Executor):
         num_cpus = max(os.cpu_count() or 1, parallel.world_size) if self.device == "cpu" else None
         ray_utils.connect_to_ray(parallel.ray_address, num_cpus)
         self.placement_group, bundle_indices, self._owns_placement_group = ray_utils.reserve_placement_group(
-            parallel.world_size, self.device, parallel.placement_group_timeout_s
+            parallel.world_size, self.device, parallel.placement_group_timeout_s, parallel
         )
         if self._owns_placement_group:
             self._resources.placement_group = self.placement_group
@@ -107,7 +107,11 @@ class RayExecutor(Executor):
 
     def _start_worker(self, rank: int) -> Any:
         """The actor of `rank`, pinned to its bundle, named, with the forwarded environment."""
-        resources = {"num_gpus": 1, "num_cpus": 0} if self.device == "cuda" else {"num_cpus": 1}
+        parallel = self.config.parallel_config
+        if self.device == "cuda":  # a share of a GPU when a colocated trainer has the rest
+            resources = {"num_gpus": parallel.num_gpus_per_worker, "num_cpus": 0.0}
+        else:
+            resources = {"num_cpus": parallel.num_cpus_per_worker}
         runtime_env = {"env_vars": ray_utils.worker_env_vars(self.device)}
         return ray_utils.RayWorker.options(
             name=f"shoal-worker-{self.engine_id}-{rank}-{self._incarnations[rank]}",
@@ -117,7 +121,7 @@ class RayExecutor(Executor):
             ),
             runtime_env=runtime_env,
             **resources,
-        ).remote(self.config, rank)
+        ).remote(self.config, rank, self.bundle_indices[rank])
 
     def _init_method(self) -> str:
         """tcp://<rank 0's node IP>:<a port free there>, where torch.distributed meets."""
