@@ -63,6 +63,7 @@ _HELP = {
     "bundle_indices": "the placement group's bundles the workers take, in rank order, e.g. 2 1",
     "num_gpus_per_worker": "each Ray worker's share of a GPU (below 1 when a colocated trainer shares it)",
     "num_cpus_per_worker": "each Ray worker's logical CPUs (CPU workers)",
+    "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call",
 }
 # Fields whose flag takes another form than their annotation: a placement group by its name.
 _FLAG_TYPES: dict[str, Any] = {"placement_group": str}

@@ -98,6 +98,9 @@ class ParallelConfig:
     bundle_indices: tuple[int, ...] | None = None
     num_gpus_per_worker: float = 1.0
     num_cpus_per_worker: float = 1.0
+    # "pkg.module:Class": a mixin added to every worker, whose methods collective_rpc can call
+    # (shoal/workers/extension.py).
+    worker_extension_cls: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -160,6 +163,8 @@ class EngineArgs:
     bundle_indices: tuple[int, ...] | None = None
     num_gpus_per_worker: float = 1.0
     num_cpus_per_worker: float = 1.0
+    # "pkg.module:Class": a mixin added to every worker, for collective_rpc (RL frameworks).
+    worker_extension_cls: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -278,7 +283,18 @@ class EngineArgs:
             bundle_indices=bundle_indices,
             num_gpus_per_worker=float(self.num_gpus_per_worker),
             num_cpus_per_worker=float(self.num_cpus_per_worker),
+            worker_extension_cls=self._worker_extension_cls(),
         )
+
+    def _worker_extension_cls(self) -> str | None:
+        """The extension's path, checked here (importable, a class, no clash with the worker)
+        so that a bad one fails before any worker starts."""
+        if self.worker_extension_cls is None:
+            return None
+        from shoal.workers.extension import worker_class
+
+        worker_class(self.worker_extension_cls)
+        return self.worker_extension_cls
 
     def _expert_parallel(self, model_config: ModelConfig) -> bool:
         """Expert parallelism applies to mixture-of-experts architectures; asked of a dense

@@ -185,11 +185,11 @@ class RayWorker:
 
     def __init__(self, config: EngineConfig, rank: int, bundle_index: int | None = None) -> None:
         from shoal.logger import configure_logging
-        from shoal.workers.worker import Worker
+        from shoal.workers.extension import create_worker
 
         configure_logging()
         local_rank = local_gpu_index() if config.device_config.device == "cuda" else 0
-        self.worker = Worker(config, rank=rank, local_rank=local_rank)
+        self.worker = create_worker(config, rank=rank, local_rank=local_rank)
         # Where this worker runs, for `report_device` on CPU (a GPU reports its UUID).
         self.worker.placement = f"{ray.get_runtime_context().get_node_id()}:{bundle_index}"
         self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)

@@ -9,6 +9,7 @@ and join the new world with the peer's replacement (see docs/fault_tolerance.md)
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -192,6 +193,11 @@ class Worker:
         self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone
         if self.config.parallel_config.world_size > 1:
             parallel_state.destroy_model_parallel()
+        if self.device.type == "cuda":
+            # An in-process engine's memory goes back to the driver, not only to torch's cache
+            # (a collection first: the model's modules may sit in reference cycles).
+            gc.collect()
+            torch.cuda.empty_cache()
 
     @property
     def sleeper(self) -> WorkerSleep:
