@@ -19,6 +19,7 @@ from shoal import LLM, SamplingParams
 from shoal.config import EngineArgs, ParallelConfig
 from shoal.executors import ray_utils
 from tests.hf_reference import hf_greedy
+from tests.workers.test_worker_extension import EXTENSION, check_extension
 
 PROMPT = "The quick brown fox"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -52,11 +53,14 @@ def bundles_of_engine_workers(group_id: str) -> dict[str, int]:
 
 @pytest.mark.timeout(180)
 def test_tp2_engine_on_the_callers_bundles_2_and_1(callers_group: Any, tiny_checkpoints: dict) -> None:
+    """As an RL trainer starts its engine: in its own group, with a worker extension (whose
+    check on two Ray workers is made here, on the same engine, to start one engine fewer)."""
     from ray.util.placement_group import placement_group_table
 
     path = str(tiny_checkpoints["llama"])
     group_id = callers_group.id.hex()
-    with LLM(path, tensor_parallel_size=2, placement_group=callers_group, bundle_indices=[2, 1]) as llm:
+    placement = dict(placement_group=callers_group, bundle_indices=[2, 1], worker_extension_cls=EXTENSION)
+    with LLM(path, tensor_parallel_size=2, **placement) as llm:
         prompt_ids = llm.get_tokenizer().encode(PROMPT)
         output = llm.generate([{"prompt_token_ids": prompt_ids}], GREEDY, use_tqdm=False)[0]
         assert (
@@ -69,6 +73,7 @@ def test_tp2_engine_on_the_callers_bundles_2_and_1(callers_group: Any, tiny_chec
         devices = llm.collective_rpc("report_device")
         assert [device.rsplit(":", 1)[1] for device in devices] == ["2", "1"]
         assert all(device.startswith("cpu:") for device in devices)
+        check_extension(llm, path, num_workers=2)
     assert placement_group_table(callers_group)["state"] == "CREATED"  # the engine left the caller's group
     assert bundles_of_engine_workers(group_id) == {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -100,26 +101,33 @@ def test_tp2_engine_dropped_three_ways_leaves_nothing(ray_cluster: dict, tiny_ch
 
 
 @pytest.mark.timeout(120)
-def test_async_llm_released_by_async_with_and_by_garbage_collection(tiny_checkpoints: dict) -> None:
+def test_async_llm_released_by_async_with(tiny_checkpoints: dict) -> None:
     args = EngineArgs(model=str(tiny_checkpoints["llama"]), max_num_seqs=4, max_model_len=64)
 
-    async def generate(engine: AsyncLLM) -> int:
-        outputs = [o async for o in engine.generate("Hello world", GREEDY, "r0")]
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
-
-    async def with_block() -> int:
+    async def main() -> int:
         async with AsyncLLM(args) as engine:
-            assert await generate(engine) == GREEDY.max_tokens
+            outputs = [o async for o in engine.generate("Hello world", GREEDY, "r0")]
+            assert sum(len(o.outputs[0].token_ids) for o in outputs) == GREEDY.max_tokens
             pid = engine.engine_core_pid
         return pid
 
-    assert not psutil.pid_exists(asyncio.run(with_block()))
+    assert not psutil.pid_exists(asyncio.run(main()))
 
-    async def dropped() -> int:
-        engine = AsyncLLM(args)
-        assert await generate(engine) == GREEDY.max_tokens
-        return engine.engine_core_pid
 
-    pid = asyncio.run(dropped())  # the loop's end cancels the output handler; then nothing holds the engine
+def test_dropped_async_client_with_its_reader_thread_stops_its_process() -> None:
+    """The asyncio client's reader thread holds the client only weakly: dropped (here before
+    it had a config, which is what AsyncLLM's garbage collection comes down to), the client's
+    finalizer stops the engine-core process and the reader thread ends."""
+    from shoal.frontend.core_client import AsyncMPClient
+
+    async def main() -> tuple[int, threading.Thread]:
+        client = AsyncMPClient()
+        client._ensure_reader()
+        reader = next(t for t in client._resources.threads if t.name == "shoal-output-reader")
+        return client.engine_core_pid, reader
+
+    pid, reader = asyncio.run(main())
     gc.collect()
+    reader.join(timeout=10)
+    assert not reader.is_alive()
     assert not psutil.pid_exists(pid)

@@ -1,7 +1,9 @@
 """`worker_extension_cls`: a mixin's methods on every worker, called by `collective_rpc`, reach
 the model: a parameter's norm read on each rank adds up to the checkpoint's, and a weight scaled
 through it changes the greedy output to what transformers gives on the scaled weights. In one
-process (uniproc) and on two Ray actors (TP=2). Bad paths and clashing names are a ValueError."""
+process (uniproc) here, and on two Ray actors (TP=2) in tests/executors/test_placement.py, whose
+engine, placed as a trainer would place it, has the extension too. Bad paths and clashing names
+are a ValueError."""
 
 from __future__ import annotations
 
@@ -65,13 +67,6 @@ def test_extension_in_process(tiny_checkpoints: dict) -> None:
     with LLM(path, multiprocess=False, worker_extension_cls=EXTENSION) as llm:
         assert type(llm.engine_core.core.executor.worker).__mro__[1].__name__ == "WeightProbe"
         check_extension(llm, path, num_workers=1)
-
-
-@pytest.mark.timeout(180)
-def test_extension_on_tp2_ray_workers(ray_cluster: dict, tiny_checkpoints: dict) -> None:
-    path = str(tiny_checkpoints["llama"])
-    with LLM(path, multiprocess=False, tensor_parallel_size=2, worker_extension_cls=EXTENSION) as llm:
-        check_extension(llm, path, num_workers=2)
 
 
 @pytest.mark.parametrize(
