@@ -59,7 +59,14 @@ _HELP = {
     "worker_restart_window_s": "the window, in seconds, over which --max-worker-restarts counts",
     "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
     "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU)",
+    "placement_group": "the name of a Ray placement group to run the workers in (made by a trainer; never removed)",
+    "bundle_indices": "the placement group's bundles the workers take, in rank order, e.g. 2 1",
+    "num_gpus_per_worker": "each Ray worker's share of a GPU (below 1 when a colocated trainer shares it)",
+    "num_cpus_per_worker": "each Ray worker's logical CPUs (CPU workers)",
+    "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call",
 }
+# Fields whose flag takes another form than their annotation: a placement group by its name.
+_FLAG_TYPES: dict[str, Any] = {"placement_group": str}
 # The parsers' names (their modules import nothing heavy; spelled here so that --help needs no import).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
@@ -186,7 +193,7 @@ def add_engine_args(parser: Any) -> None:
     hints = typing.get_type_hints(EngineArgs)
     for field in dataclasses.fields(EngineArgs):
         names = ["--" + field.name.replace("_", "-"), *_ALIASES.get(field.name, [])]
-        kind, element = _flag_type(hints[field.name])
+        kind, element = _flag_type(_FLAG_TYPES.get(field.name, hints[field.name]))
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = _HELP.get(field.name, f"EngineArgs.{field.name}")
         if kind is bool:

@@ -90,6 +90,17 @@ class ParallelConfig:
     # Mixture-of-experts layers: whole experts split across the tensor-parallel ranks instead of
     # every expert's intermediate dimension (docs/moe.md). Set only for MoE architectures.
     enable_expert_parallel: bool = False
+    # Colocated training (docs/rl.md, "Placement for colocated training"): a placement group the
+    # caller made (a Ray PlacementGroup, or the name of one), which the engine uses and never
+    # removes; the bundles of it the workers take, in rank order; a worker's share of a GPU
+    # (or, on CPU, its logical CPUs).
+    placement_group: Any = field(default=None, compare=False, repr=False)
+    bundle_indices: tuple[int, ...] | None = None
+    num_gpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = 1.0
+    # "pkg.module:Class": a mixin added to every worker, whose methods collective_rpc can call
+    # (shoal/workers/extension.py).
+    worker_extension_cls: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -146,6 +157,14 @@ class EngineArgs:
     async_scheduling: bool | None = None
     # MoE models: split whole experts across the tensor-parallel ranks (vLLM's flag).
     enable_expert_parallel: bool = False
+    # Colocated training: the caller's Ray placement group (or its name), the bundles the
+    # workers take in rank order, and each worker's share of a GPU / number of CPUs.
+    placement_group: Any = None
+    bundle_indices: tuple[int, ...] | None = None
+    num_gpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = 1.0
+    # "pkg.module:Class": a mixin added to every worker, for collective_rpc (RL frameworks).
+    worker_extension_cls: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -231,7 +250,13 @@ class EngineArgs:
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         _require(tp >= 1 and pp >= 1, "tensor_parallel_size and pipeline_parallel_size must be >= 1")
-        backend = self.distributed_executor_backend or ("ray" if tp * pp > 1 else "uni")
+        placed = self.placement_group is not None or self.bundle_indices is not None
+        backend = self.distributed_executor_backend or ("ray" if tp * pp > 1 or placed else "uni")
+        _require(backend == "ray" or not placed, "placement_group and bundle_indices need the 'ray' executor")
+        bundle_indices = _bundle_indices(self.bundle_indices, tp * pp)
+        _require(_is_placement_group(self.placement_group), "placement_group must be a Ray PlacementGroup or its name")
+        _require(0.0 < self.num_gpus_per_worker <= 1.0, "num_gpus_per_worker must be in (0, 1]")
+        _require(self.num_cpus_per_worker > 0.0, "num_cpus_per_worker must be > 0")
         _require(backend in EXECUTOR_BACKENDS, f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
         _require(backend == "ray" or tp * pp == 1, "tensor/pipeline parallelism needs the 'ray' executor")
         _require(
@@ -254,7 +279,22 @@ class EngineArgs:
             max_worker_restarts=self.max_worker_restarts,
             worker_restart_window_s=self.worker_restart_window_s,
             enable_expert_parallel=self._expert_parallel(model_config),
+            placement_group=self.placement_group,
+            bundle_indices=bundle_indices,
+            num_gpus_per_worker=float(self.num_gpus_per_worker),
+            num_cpus_per_worker=float(self.num_cpus_per_worker),
+            worker_extension_cls=self._worker_extension_cls(),
         )
+
+    def _worker_extension_cls(self) -> str | None:
+        """The extension's path, checked here (importable, a class, no clash with the worker)
+        so that a bad one fails before any worker starts."""
+        if self.worker_extension_cls is None:
+            return None
+        from shoal.workers.extension import worker_class
+
+        worker_class(self.worker_extension_cls)
+        return self.worker_extension_cls
 
     def _expert_parallel(self, model_config: ModelConfig) -> bool:
         """Expert parallelism applies to mixture-of-experts architectures; asked of a dense
@@ -274,6 +314,30 @@ class EngineArgs:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _bundle_indices(indices: Any, num_workers: int) -> tuple[int, ...] | None:
+    """The bundle of each rank, checked: one per worker, distinct, non-negative (whether the
+    group has them is checked against the group, once Ray is reached)."""
+    if indices is None:
+        return None
+    if isinstance(indices, str):  # "2,1", as vLLM's VLLM_RAY_BUNDLE_INDICES spells them
+        indices = [part for part in indices.split(",") if part.strip()]
+    try:
+        result = tuple(int(i) for i in indices)
+    except (TypeError, ValueError):
+        raise ValueError(f"bundle_indices must be integers, got {indices!r}") from None
+    _require(
+        len(result) == num_workers, f"bundle_indices {list(result)} must name one bundle per worker ({num_workers})"
+    )
+    _require(len(set(result)) == len(result), f"bundle_indices {list(result)} name a bundle twice")
+    _require(all(i >= 0 for i in result), f"bundle_indices {list(result)} must be >= 0")
+    return result
+
+
+def _is_placement_group(group: Any) -> bool:
+    """None, a name, or a Ray PlacementGroup (by its shape: this module does not import Ray)."""
+    return group is None or isinstance(group, str) or (hasattr(group, "id") and hasattr(group, "bundle_specs"))
 
 
 def _resolve_device(device: str) -> Device:

@@ -40,14 +40,15 @@ def ray_cluster() -> Iterator[dict]:
     """One local Ray cluster shared by every test of the session that needs one: 4 logical CPUs
     (TP=2 x PP=2 takes four {"CPU": 1} bundles, on any number of cores). RAY_ADDRESS points
     engine-core subprocesses at it; token authentication is off so that they may connect by
-    address."""
+    address. The dashboard runs because Ray's state API (`ray.util.state`, what the lifecycle
+    tests read) is served by it."""
     import os
 
     import ray
 
     patch = pytest.MonkeyPatch()
     patch.setenv("RAY_AUTH_MODE", "disabled")
-    context = ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    context = ray.init(address="local", num_cpus=4, include_dashboard=True, logging_level="WARNING")
     patch.setenv("RAY_ADDRESS", context.address_info["gcs_address"])
     assert os.environ["RAY_ADDRESS"]
     try:

@@ -72,6 +72,8 @@ _PRELOAD_MODULES = ("shoal.workers.worker", "transformers.models.llama.configura
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # Once: a second SIGTERM must not interrupt the shutdown the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(0)
 
 
@@ -121,6 +123,7 @@ def run_engine_core(
     context = zmq.Context()
     output_socket = _connected_socket(context, zmq.PUSH, output_address, keys)
     output_socket.setsockopt(zmq.LINGER, 2000)
+    core: EngineCore | None = None
     proc: EngineCoreProc | None = None
     try:
         core = EngineCore(config)
@@ -141,8 +144,12 @@ def run_engine_core(
             output_socket.send_multipart(encode(MessageType.ENGINE_DEAD, EngineDead(message)))
         raise SystemExit(1) from exc
     finally:
+        # The executor goes before the process does: its worker actors and placement group are
+        # released now, not when Ray notices that this job has ended.
         if proc is not None:
             proc.shutdown()
+        elif core is not None:
+            shutdown_core(core)
         output_socket.close()
         context.term()
 
@@ -282,7 +289,11 @@ class EngineCoreProc:
     def shutdown(self) -> None:
         self.output_queue.put(None)
         self._output_thread.join(timeout=5)
-        try:
-            self.core.shutdown()
-        except Exception:  # best effort while exiting
-            logger.exception("error while shutting the executor down")
+        shutdown_core(self.core)
+
+
+def shutdown_core(core: EngineCore) -> None:
+    try:
+        core.shutdown()
+    except Exception:  # best effort while exiting
+        logger.exception("error while shutting the executor down")

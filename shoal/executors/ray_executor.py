@@ -27,6 +27,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,10 @@ class RayExecutor(Executor):
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         # The rank whose output the engine uses: the last stage's tensor-parallel rank 0.
         self.sampling_rank = (self.pp_size - 1) * self.tp_size
-        self.workers: list[Any] = []  # actor handles in rank order
+        # Actor handles in rank order, and what a shutdown releases (see RayResources).
+        self._resources = RayResources()
+        self.workers: list[Any] = self._resources.workers
+        self._finalizer = weakref.finalize(self, self._resources.release)
         self._dead: str | None = None
         self.engine_id = uuid.uuid4().hex[:12]
         self._incarnations = [0] * parallel.world_size  # how many times each rank was started
@@ -71,11 +75,13 @@ class RayExecutor(Executor):
         num_cpus = max(os.cpu_count() or 1, parallel.world_size) if self.device == "cpu" else None
         ray_utils.connect_to_ray(parallel.ray_address, num_cpus)
         self.placement_group, bundle_indices, self._owns_placement_group = ray_utils.reserve_placement_group(
-            parallel.world_size, self.device, parallel.placement_group_timeout_s
+            parallel.world_size, self.device, parallel.placement_group_timeout_s, parallel
         )
+        if self._owns_placement_group:
+            self._resources.placement_group = self.placement_group
         self.bundle_indices = bundle_indices  # by rank
         try:
-            self.workers = [self._start_worker(rank) for rank in range(parallel.world_size)]
+            self.workers.extend(self._start_worker(rank) for rank in range(parallel.world_size))
             # The first call waits for every actor to be scheduled and constructed.
             self.collective_rpc("init_device", timeout=parallel.placement_group_timeout_s)
             self.worker_node_ids: list[str] = self._wait([w.node_id.remote() for w in self.workers], None, "start-up")
@@ -101,7 +107,11 @@ class RayExecutor(Executor):
 
     def _start_worker(self, rank: int) -> Any:
         """The actor of `rank`, pinned to its bundle, named, with the forwarded environment."""
-        resources = {"num_gpus": 1, "num_cpus": 0} if self.device == "cuda" else {"num_cpus": 1}
+        parallel = self.config.parallel_config
+        if self.device == "cuda":  # a share of a GPU when a colocated trainer has the rest
+            resources = {"num_gpus": parallel.num_gpus_per_worker, "num_cpus": 0.0}
+        else:
+            resources = {"num_cpus": parallel.num_cpus_per_worker}
         runtime_env = {"env_vars": ray_utils.worker_env_vars(self.device)}
         return ray_utils.RayWorker.options(
             name=f"shoal-worker-{self.engine_id}-{rank}-{self._incarnations[rank]}",
@@ -111,7 +121,7 @@ class RayExecutor(Executor):
             ),
             runtime_env=runtime_env,
             **resources,
-        ).remote(self.config, rank)
+        ).remote(self.config, rank, self.bundle_indices[rank])
 
     def _init_method(self) -> str:
         """tcp://<rank 0's node IP>:<a port free there>, where torch.distributed meets."""
@@ -264,18 +274,34 @@ class RayExecutor(Executor):
         return self._wait(refs, timeout, f"a restart ({method})", ranks)
 
     def shutdown(self) -> None:
-        """Kill the workers and remove the placement group if this executor created it."""
+        """Kill the workers and remove the placement group if this executor created it (a
+        caller's group stays); idempotent. Garbage collection of the executor does the same."""
         if self._dead is None:
             self._dead = "the executor is shut down"
-        if not ray.is_initialized():
+        if ray.is_initialized():
+            self._read_failed_step()
+        self._finalizer()
+        self.placement_group = None
+
+
+class RayResources:
+    """What a `RayExecutor` holds in the Ray cluster: its worker actors and, when it made it,
+    its placement group. A finalizer releases them, so an executor dropped without `shutdown()`
+    (an in-process `LLM` garbage-collected) frees its bundles too."""
+
+    def __init__(self) -> None:
+        self.workers: list[Any] = []  # the executor's own list: restarts replace entries in place
+        self.placement_group: Any = None  # only a group the executor created
+
+    def release(self) -> None:
+        if not ray.is_initialized():  # disconnected (at exit): Ray releases a gone job's actors
             return
-        self._read_failed_step()
         for worker in self.workers:
             ray.kill(worker)
-        self.workers = []
-        if self._owns_placement_group and self.placement_group is not None:
+        self.workers.clear()
+        if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
-        self.placement_group = None
+            self.placement_group = None
 
 
 class RayStepFuture:

@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group_table
 
 from shoal import envs
-from shoal.config import EngineConfig
+from shoal.config import EngineConfig, ParallelConfig
 from shoal.distributed.communicator import NcclUniqueId, nccl_unique_id
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 
@@ -52,34 +52,40 @@ def connect_to_ray(address: str | None, num_cpus: int | None) -> None:
     logger.info("Joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
 
 
-def worker_bundle(device: str) -> dict[str, float]:
-    """The resources of one worker: a GPU, or on CPU one logical CPU."""
-    return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+def worker_bundle(device: str, parallel: ParallelConfig | None = None) -> dict[str, float]:
+    """The resources of one worker: its share of a GPU (`num_gpus_per_worker`, 1 unless a
+    colocated trainer shares the GPU), or on CPU its logical CPUs (`num_cpus_per_worker`)."""
+    parallel = parallel or ParallelConfig()
+    return {"GPU": parallel.num_gpus_per_worker} if device == "cuda" else {"CPU": parallel.num_cpus_per_worker}
 
 
 # ---- the placement group ----------------------------------------------------------------------------
 
 
-def reserve_placement_group(num_workers: int, device: str, timeout_s: float) -> tuple[PlacementGroup, list[int], bool]:
+def reserve_placement_group(
+    num_workers: int, device: str, timeout_s: float, parallel: ParallelConfig | None = None
+) -> tuple[PlacementGroup, list[int], bool]:
     """(placement group, the bundle index of each rank, whether shoal created the group).
 
-    Inside a placement group already (shoal started from a user's actor or task), the workers
-    go into that group's bundles that hold the worker resource; otherwise a new group of
-    `num_workers` bundles is created and waited for. Ranks get bundles on the driver's node
-    first, then node by node, so that a tensor-parallel group shares a node whenever it can.
+    The group is the caller's when one is given (`parallel.placement_group`, or its name), else
+    the current one when shoal runs inside a placement group (from a user's actor or task);
+    there the workers take `parallel.bundle_indices` in rank order when given, else the bundles
+    that hold a worker's resources. Otherwise a new group of `num_workers` bundles is created
+    and waited for. Ranks get bundles on the driver's node first, then node by node (unless the
+    caller chose them), so that a tensor-parallel group shares a node whenever it can. A group
+    shoal did not create is never removed by it.
     """
-    bundle = worker_bundle(device)
-    resource = next(iter(bundle))
-    current = get_current_placement_group()
+    bundle = worker_bundle(device, parallel)
+    given = resolve_placement_group(parallel.placement_group) if parallel is not None else None
+    bundle_indices = parallel.bundle_indices if parallel is not None else None
+    current = given or get_current_placement_group()
     if current is not None:
-        usable = [i for i, spec in enumerate(current.bundle_specs) if spec.get(resource, 0) >= bundle[resource]]
-        if len(usable) < num_workers:
-            raise ValueError(
-                f"the current placement group has {len(usable)} bundles with {bundle}, "
-                f"{num_workers} workers need one each"
-            )
+        usable = usable_bundles(current, bundle, num_workers, bundle_indices)
         wait_for_placement_group(current, [bundle] * num_workers, timeout_s)
-        return current, driver_node_first(current, usable)[:num_workers], False
+        ranks = list(bundle_indices) if bundle_indices is not None else driver_node_first(current, usable)[:num_workers]
+        return current, ranks, False
+    if bundle_indices is not None:
+        raise ValueError("bundle_indices needs a placement group: pass placement_group, or start shoal inside one")
     bundles = [dict(bundle) for _ in range(num_workers)]
     group = ray.util.placement_group(bundles, strategy="PACK", name=f"shoal-{uuid.uuid4().hex[:12]}")
     try:
@@ -88,6 +94,38 @@ def reserve_placement_group(num_workers: int, device: str, timeout_s: float) -> 
         ray.util.remove_placement_group(group)
         raise
     return group, driver_node_first(group, list(range(num_workers))), True
+
+
+def resolve_placement_group(group: Any) -> PlacementGroup | None:
+    """A `PlacementGroup` as given, or the one named so (a ValueError if there is none)."""
+    if not isinstance(group, str):
+        return group
+    try:
+        return ray.util.get_placement_group(group)
+    except ValueError:
+        raise ValueError(f"there is no placement group named {group!r} in the Ray cluster") from None
+
+
+def usable_bundles(
+    group: PlacementGroup, bundle: dict[str, float], num_workers: int, bundle_indices: tuple[int, ...] | None
+) -> list[int]:
+    """The bundles of `group` a worker may take: those named, each checked to exist and to hold
+    a worker's resources; else every bundle that holds them (at least `num_workers`)."""
+    resource, amount = next(iter(bundle.items()))
+    specs = group.bundle_specs
+    if bundle_indices is not None:
+        for index in bundle_indices:
+            if index >= len(specs):
+                raise ValueError(f"bundle index {index} is out of range: the placement group has {len(specs)} bundles")
+            if specs[index].get(resource, 0) < amount:
+                raise ValueError(f"bundle {index} of the placement group ({specs[index]}) lacks a worker's {bundle}")
+        return list(bundle_indices)
+    usable = [i for i, spec in enumerate(specs) if spec.get(resource, 0) >= amount]
+    if len(usable) < num_workers:
+        raise ValueError(
+            f"the placement group has {len(usable)} bundles with {bundle}, {num_workers} workers need one each"
+        )
+    return usable
 
 
 def wait_for_placement_group(group: PlacementGroup, bundles: list[dict[str, float]], timeout_s: float) -> None:
@@ -145,13 +183,15 @@ class RayWorker:
     node, a free port for the process group, NCCL ids. Steps arrive as msgspec bytes (encoded
     once for all workers) and the sampled tokens go back the same way."""
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, bundle_index: int | None = None) -> None:
         from shoal.logger import configure_logging
-        from shoal.workers.worker import Worker
+        from shoal.workers.extension import create_worker
 
         configure_logging()
         local_rank = local_gpu_index() if config.device_config.device == "cuda" else 0
-        self.worker = Worker(config, rank=rank, local_rank=local_rank)
+        self.worker = create_worker(config, rank=rank, local_rank=local_rank)
+        # Where this worker runs, for `report_device` on CPU (a GPU reports its UUID).
+        self.worker.placement = f"{ray.get_runtime_context().get_node_id()}:{bundle_index}"
         self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         self._encoder = msgspec.msgpack.Encoder()
 

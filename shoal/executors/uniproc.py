@@ -13,9 +13,9 @@ class UniProcExecutor(Executor):
     samples_later = True
 
     def _init_workers(self) -> None:
-        from shoal.workers.worker import Worker
+        from shoal.workers.extension import create_worker
 
-        self.worker = Worker(self.config, rank=0)
+        self.worker = create_worker(self.config, rank=0)
         self.worker.init_device()
         self.worker.load_model()
 

@@ -228,6 +228,16 @@ class AsyncLLM:
         return await self.engine_core.call_utility_async(method, *args)
 
     def shutdown(self) -> None:
+        """Stop the engine: its core process (or in-process core), its workers and the placement
+        group it made. Idempotent; dropping the last reference or leaving `async with` does the
+        same (docs/rl.md, "Engine lifecycle")."""
         if self._handler is not None:
             self._handler.cancel()
+            self._handler = None
         self.engine_core.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()

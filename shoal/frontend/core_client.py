@@ -158,6 +158,10 @@ def _free_port(host: str) -> int:
 
 _LIVE_CLIENTS: weakref.WeakSet[MPClient] = weakref.WeakSet()
 
+# How long a shutdown waits for the engine-core process to stop its workers and exit before
+# killing it (its Ray actors and placement group then go with its Ray job).
+ENGINE_EXIT_TIMEOUT_S = 15.0
+
 
 @atexit.register
 def _shutdown_live_clients() -> None:
@@ -167,30 +171,93 @@ def _shutdown_live_clients() -> None:
         client.shutdown()
 
 
+class EngineProcessResources:
+    """What a multiprocess client owns outside Python's heap: the engine-core process, the
+    ZeroMQ context and sockets, the config pipe and the ipc directory.
+
+    The client holds this object, and so do its monitor and reader threads and the finalizer
+    that releases it, never the reverse: a thread holding the client (a bound method as its
+    target) would keep it alive forever, so that dropping the last reference to an `LLM` would
+    stop nothing. `release` runs once, from `shutdown()`, from garbage collection or at exit.
+    """
+
+    def __init__(self, context: zmq.Context, ipc_dir: str | None) -> None:
+        self.context = context
+        self.ipc_dir = ipc_dir
+        self.stopping = threading.Event()
+        self.sockets: list[zmq.Socket] = []  # the ones this (the caller's) thread closes
+        self.authenticator: Any = None
+        self.config_sender: multiprocessing.connection.Connection | None = None
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.threads: list[threading.Thread] = []  # the monitor and the output reader
+
+    def release(self) -> None:
+        """Stop the engine-core process (SIGTERM: it shuts its executor down; killed if it has
+        not exited within ENGINE_EXIT_TIMEOUT_S), then close the sockets and the context."""
+        self.stopping.set()
+        if self.config_sender is not None:
+            self.config_sender.close()
+        if self.process is not None:
+            stop_process(self.process, ENGINE_EXIT_TIMEOUT_S)
+        if threading.current_thread() in self.threads:
+            # Garbage collection can run this on the reader thread, whose socket term() waits
+            # for: finish in a thread of its own once the reader has closed it.
+            threading.Thread(target=self._close_sockets, name="shoal-client-close", daemon=True).start()
+        else:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for zmq_socket in self.sockets:
+            zmq_socket.close(linger=0)
+        if self.authenticator is not None:  # its sockets would hold term() up
+            self.authenticator.stop()
+        # A reader thread's socket is closed by the reader itself when term() wakes its recv
+        # (a ZeroMQ socket must only be touched by one thread at a time).
+        self.context.term()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def stop_process(process: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    """SIGTERM, wait up to `timeout_s` for the exit, then SIGKILL."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=timeout_s)
+    if process.is_alive():
+        logger.warning("the engine-core process did not exit within %g s of SIGTERM: killing it", timeout_s)
+        process.kill()
+        process.join(timeout=5)
+
+
 class MPClient:
     """Starts the engine-core process and owns the two sockets to it, and the pipe that
-    carries the process its config."""
+    carries the process its config (all in `EngineProcessResources`, released by `shutdown()`
+    or when the client is garbage-collected)."""
 
     def __init__(self, transport: str = "ipc") -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
             raise RuntimeError(_MAIN_GUARD_HINT)
-        self._shutting_down = False
         self._reader_started = False
         # Set once ENGINE_DEAD arrives; every later call raises it.
         self.dead_error: EngineDeadError | None = None
         self.num_kv_blocks: int | None = None
         self.context = zmq.Context()
-        self.input_address, self.output_address, self._ipc_dir = make_addresses(transport)
+        self.input_address, self.output_address, ipc_dir = make_addresses(transport)
+        self._resources = resources = EngineProcessResources(self.context, ipc_dir)
+        self._finalizer = weakref.finalize(self, resources.release)
         input_address = self.input_address
         # tcp:// may be reachable from other hosts: only the engine core's key gets through.
         self._keys = socket_auth.EngineKeys.generate() if input_address.startswith("tcp://") else None
-        self._authenticator = None if self._keys is None else socket_auth.start_authenticator(self.context, self._keys)
+        if self._keys is not None:
+            resources.authenticator = socket_auth.start_authenticator(self.context, self._keys)
         self.input_socket = self._bound_socket(zmq.PUSH, input_address)
         self.output_socket = self._bound_socket(zmq.PULL, self.output_address)
+        resources.sockets += [self.input_socket, self.output_socket]
         from shoal.engine_core.process import run_engine_core_process
 
         spawn = multiprocessing.get_context("spawn")
         config_receiver, self._config_sender = spawn.Pipe(duplex=False)
+        resources.config_sender = self._config_sender
         self.process = spawn.Process(
             target=run_engine_core_process,
             # The engine core's keys travel with its arguments (a local pipe), never on a socket.
@@ -199,12 +266,17 @@ class MPClient:
             daemon=True,
         )
         self.process.start()
+        resources.process = self.process
         config_receiver.close()
         _LIVE_CLIENTS.add(self)
 
     @property
     def engine_core_pid(self) -> int | None:
         return self.process.pid
+
+    @property
+    def _shutting_down(self) -> bool:
+        return self._resources.stopping.is_set()
 
     @property
     def _core_keys(self) -> socket_auth.EngineCoreKeys | None:
@@ -231,30 +303,23 @@ class MPClient:
                     self.num_kv_blocks = message.num_kv_blocks
                     break
                 if kind == MessageType.ENGINE_DEAD:
-                    self._cleanup()
+                    self.shutdown()
                     raise _core_error(message.message, "the engine core failed to start")
             elif not self.process.is_alive():
                 code = self.process.exitcode
-                self._cleanup()
+                self.shutdown()
                 raise RuntimeError(
                     f"the engine-core process exited during start-up (exit code {code}). " + _MAIN_GUARD_HINT
                 )
-        self._monitor = threading.Thread(target=self._watch_process, name="shoal-core-monitor", daemon=True)
+        # The monitor gets what it needs, not the client (see EngineProcessResources).
+        self._monitor = threading.Thread(
+            target=_watch_process,
+            args=(self._resources, self.process, self.output_address, self._core_keys),
+            name="shoal-core-monitor",
+            daemon=True,
+        )
+        self._resources.threads.append(self._monitor)
         self._monitor.start()
-
-    def _watch_process(self) -> None:
-        """Turn the process's death into an ENGINE_DEAD message for whoever is waiting."""
-        multiprocessing.connection.wait([self.process.sentinel])
-        if self._shutting_down:
-            return
-        message = f"the engine-core process died (exit code {self.process.exitcode})"
-        logger.error(message)
-        notifier = self.context.socket(zmq.PUSH)
-        if self._core_keys is not None:  # it speaks for the engine core
-            socket_auth.secure_client(notifier, self._core_keys)
-        notifier.connect(self.output_address)
-        notifier.send_multipart(encode(MessageType.ENGINE_DEAD, EngineDead(message)))
-        notifier.close(linger=1000)
 
     def _send(self, kind: MessageType, message: Any) -> None:
         """Send to the engine core. A PUSH socket whose peer is gone blocks forever, so wait for
@@ -279,31 +344,32 @@ class MPClient:
             raise self.dead_error
 
     def shutdown(self) -> None:
-        if self._shutting_down:
-            return
-        self._shutting_down = True
+        """Stop the engine-core process and release the sockets (idempotent)."""
         _LIVE_CLIENTS.discard(self)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(timeout=5)
-        self._cleanup()
+        self._finalizer()
 
-    def _cleanup(self) -> None:
-        self._shutting_down = True
-        self._config_sender.close()
-        self.input_socket.close(linger=0)
-        if not self._reader_started:
-            self.output_socket.close(linger=0)
-        if self._authenticator is not None:  # its sockets would hold term() up
-            self._authenticator.stop()
-        # With a reader thread, term() wakes its recv and the thread closes the socket itself
-        # (a ZeroMQ socket must only be touched by one thread at a time).
-        self.context.term()
-        if self._ipc_dir:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+def _watch_process(
+    resources: EngineProcessResources,
+    process: multiprocessing.process.BaseProcess,
+    output_address: str,
+    core_keys: socket_auth.EngineCoreKeys | None,
+) -> None:
+    """Turn the engine-core process's death into an ENGINE_DEAD message for whoever is waiting."""
+    multiprocessing.connection.wait([process.sentinel])
+    if resources.stopping.is_set():
+        return
+    message = f"the engine-core process died (exit code {process.exitcode})"
+    logger.error(message)
+    try:
+        notifier = resources.context.socket(zmq.PUSH)
+    except zmq.ZMQError:  # shut down meanwhile
+        return
+    if core_keys is not None:  # it speaks for the engine core
+        socket_auth.secure_client(notifier, core_keys)
+    notifier.connect(output_address)
+    notifier.send_multipart(encode(MessageType.ENGINE_DEAD, EngineDead(message)))
+    notifier.close(linger=1000)
 
 
 class SyncMPClient(MPClient, EngineCoreClient):
@@ -355,27 +421,23 @@ class AsyncMPClient(MPClient):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _ensure_reader(self) -> asyncio.Queue:
-        """Start the reader thread on first use, bound to the running event loop."""
+        """Start the reader thread on first use, bound to the running event loop. From then on
+        the output socket is the reader's (it closes it), and the reader reaches this client
+        through a weak reference only (see EngineProcessResources)."""
         if self._outputs is None:
             self._loop = asyncio.get_running_loop()
             self._outputs = asyncio.Queue()
             self._reader_started = True
-            threading.Thread(target=self._read, name="shoal-output-reader", daemon=True).start()
+            self._resources.sockets.remove(self.output_socket)
+            reader = threading.Thread(
+                target=_read_outputs,
+                args=(self.output_socket, self._loop, weakref.WeakMethod(self._dispatch)),
+                name="shoal-output-reader",
+                daemon=True,
+            )
+            self._resources.threads.append(reader)
+            reader.start()
         return self._outputs
-
-    def _read(self) -> None:
-        assert self._loop is not None
-        try:
-            while True:
-                frames = self.output_socket.recv_multipart(copy=False)
-                kind, message = decode([f.buffer for f in frames])
-                self._loop.call_soon_threadsafe(self._dispatch, kind, message)
-                if kind == MessageType.ENGINE_DEAD:
-                    return
-        except (zmq.ContextTerminated, zmq.ZMQError, RuntimeError):
-            return  # shut down (the loop or the context is closed)
-        finally:
-            self.output_socket.close(linger=0)
 
     def _dispatch(self, kind: MessageType, message: Any) -> None:
         assert self._outputs is not None
@@ -416,6 +478,26 @@ class AsyncMPClient(MPClient):
         self._calls[call_id] = future
         self._send(MessageType.UTILITY, UtilityRequest(call_id, method, list(args)))
         return await future
+
+
+def _read_outputs(socket: zmq.Socket, loop: asyncio.AbstractEventLoop, dispatch: weakref.WeakMethod) -> None:
+    """The output reader thread: receive and decode, then hand each message to the client's
+    `_dispatch` on its event loop, until the context is terminated or the client is gone."""
+    try:
+        while True:
+            frames = socket.recv_multipart(copy=False)
+            kind, message = decode([f.buffer for f in frames])
+            handler = dispatch()
+            if handler is None:
+                return
+            loop.call_soon_threadsafe(handler, kind, message)
+            del handler
+            if kind == MessageType.ENGINE_DEAD:
+                return
+    except (zmq.ContextTerminated, zmq.ZMQError, RuntimeError):
+        return  # shut down (the loop or the context is closed)
+    finally:
+        socket.close(linger=0)
 
 
 def _utility_result(reply: UtilityOutput) -> Any:

@@ -208,6 +208,9 @@ class LLM:
         return self.engine_core.call_utility("get_stats")
 
     def shutdown(self) -> None:
+        """Stop the engine: the engine-core process, the Ray worker actors and the placement
+        group the engine made (not one it was given), and with them their device memory.
+        Idempotent; dropping the last reference and leaving `with LLM(...)` do the same."""
         client = getattr(self, "engine_core", None)
         if client is not None:
             client.shutdown()

@@ -193,10 +193,11 @@ class ModelRunner:
             self._model.compute_logits(hidden[:num_rows])
 
     @torch.inference_mode()
-    def profile_available_kv_cache_memory(self) -> int:
+    def profile_available_kv_cache_memory(self, device_used_at_start_bytes: int = 0) -> int:
         """Run a dummy step of `max_num_batched_tokens` tokens (and the sampler over
         `max_num_seqs` rows) to measure peak activation memory; returns the bytes left for the
-        KV cache (see `gpu_memory.py`)."""
+        KV cache in the engine's share (see `gpu_memory.py`; `device_used_at_start_bytes`: what
+        the device held when this worker started, others' memory not charged to the engine)."""
         from shoal.workers.gpu_memory import kv_cache_budget_bytes
 
         torch.cuda.empty_cache()
@@ -205,7 +206,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
-        return kv_cache_budget_bytes(self.device, self.config.cache_config.gpu_memory_utilization, peak)
+        utilization = self.config.cache_config.gpu_memory_utilization
+        return kv_cache_budget_bytes(self.device, utilization, peak, device_used_at_start_bytes)
 
     def _dummy_step(self, num_tokens: int) -> None:
         """A forward over `num_tokens` prompt tokens that writes no KV (slots -1) and reads a

@@ -9,6 +9,7 @@ and join the new world with the peer's replacement (see docs/fault_tolerance.md)
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,11 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.sleep_state: WorkerSleep | None = None
         self.profiler = StepProfiler(rank)
+        # "<node id>:<bundle index>" in a Ray actor (set by the actor), else None.
+        self.placement: str | None = None
+        # What the GPU held when this worker started: other processes' (a colocated trainer's)
+        # memory, which KV-cache sizing does not charge to the engine (gpu_memory.py).
+        self.device_used_at_start_bytes = 0
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -48,6 +54,9 @@ class Worker:
             # Ray (or the user) already chose the visible GPUs; never reassign them here.
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
+            from shoal.workers.gpu_memory import device_used_bytes
+
+            self.device_used_at_start_bytes = device_used_bytes(self.device)
         else:
             torch.set_num_threads(envs.SHOAL_CPU_THREADS or default_cpu_threads())
             logger.info("CPU worker: %d torch threads", torch.get_num_threads())
@@ -93,11 +102,12 @@ class Worker:
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit in this worker's budget (CPU: a fixed byte budget; GPU:
-        profiled from the memory left after weights and peak activations)."""
+        profiled from the engine's share of the device left after its weights and peak
+        activations, other processes' memory not counted as the engine's: gpu_memory.py)."""
         block_bytes = self.runner.kv_cache_block_bytes()
         configured = self.config.cache_config.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            available = configured or self.runner.profile_available_kv_cache_memory()
+            available = configured or self.runner.profile_available_kv_cache_memory(self.device_used_at_start_bytes)
         else:
             available = configured or _CPU_KV_CACHE_BYTES
             available = min(available, self._cpu_kv_bytes_needed(block_bytes))
@@ -171,16 +181,23 @@ class Worker:
         return self.profiler.stop()
 
     def report_device(self) -> str:
-        """This worker's device, by UUID on GPU (what placement tests compare)."""
+        """Where this worker runs, so that a caller can check where workers landed: on GPU the
+        device's UUID (two workers on one GPU report the same one); on CPU "cpu", and in a Ray
+        actor "cpu:<node id>:<bundle index>" (the node's CPUs are its device)."""
         if self.device.type == "cuda":
             return str(torch.cuda.get_device_properties(self.device).uuid)
-        return "cpu"
+        return "cpu" if self.placement is None else f"cpu:{self.placement}"
 
     def shutdown(self) -> None:
         self.model_runner = None
         self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone
         if self.config.parallel_config.world_size > 1:
             parallel_state.destroy_model_parallel()
+        if self.device.type == "cuda":
+            # An in-process engine's memory goes back to the driver, not only to torch's cache
+            # (a collection first: the model's modules may sit in reference cycles).
+            gc.collect()
+            torch.cuda.empty_cache()
 
     @property
     def sleeper(self) -> WorkerSleep:

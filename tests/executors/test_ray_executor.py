@@ -167,9 +167,10 @@ def test_collective_rpc_answers_in_rank_order(odd_vocab_tp2_pp2: tuple[LLM, str]
 
     # Rank = pp_rank * tp + tp_rank; the checkpoint's 2 layers split 1 + 1.
     assert llm.collective_rpc(placement) == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 1), (3, 1, 1, 1)]
-    assert llm.collective_rpc("report_device") == ["cpu"] * 4
-    assert llm.collective_rpc("check_health", timeout=30) == [True] * 4
     executor = llm.engine_core.core.executor
+    node = executor.worker_node_ids[0]
+    assert llm.collective_rpc("report_device") == [f"cpu:{node}:{i}" for i in executor.bundle_indices]
+    assert llm.collective_rpc("check_health", timeout=30) == [True] * 4
     assert [len(stage) for stage in executor.stage_workers] == [2, 2]
     with pytest.raises(ValueError, match="no method"):
         llm.collective_rpc("not_a_method")
