@@ -111,6 +111,27 @@ def test_a_bad_folder_is_refused(llm: LLM, before: list, tmp_path: Path) -> None
     assert generate(llm) == before
 
 
+def test_an_update_in_several_calls_holds_generation_until_the_last(llm: LLM, changed: tuple, original: str) -> None:
+    """The shape of a CUDA-IPC update (one bucket a call), here with CPU buckets: no step may
+    run on half-written weights, and the version advances with the last call."""
+    from shoal.rl.tensor_transfer import cpu_bucket, encode_metas, plan_tensor_buckets
+
+    path, tensors = changed
+    named = list(tensors.items())
+    llm.engine_core.call_utility("check_weights", encode_metas(named))
+    with pytest.raises(ValueError, match=r"unknown weight 'lm_head\.bias'"):
+        llm.engine_core.call_utility("check_weights", encode_metas([("lm_head.bias", named[0][1])]))
+    buckets = [cpu_bucket(b) for b in plan_tensor_buckets(named, SMALL_BUCKET_BYTES)]
+    assert len(buckets) >= 2
+    for bucket in buckets[:-1]:
+        llm.engine_core.call_utility("update_weights_from_tensors", [bucket], "multi", True, False)
+        assert "half updated" in llm.engine_core.call_utility("generation_hold")
+    assert llm.engine_core.call_utility("update_weights_from_tensors", [buckets[-1]], "multi", True, True) == "multi"
+    assert llm.engine_core.call_utility("generation_hold") is None
+    assert generate(llm) == hf_tokens(path)
+    llm.update_weights_from_disk(original)
+
+
 def test_sleep_level_2_then_an_update_serves_the_new_weights(llm: LLM, changed: tuple, original: str) -> None:
     path, tensors = changed
     llm.sleep(level=2)
