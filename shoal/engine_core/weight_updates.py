@@ -93,9 +93,8 @@ class WeightUpdateControl:
                 f"rank_offset={rank_offset} and this engine's {num_workers} worker(s) do not fit in "
                 f"world_size={world_size} (rank 0 is the trainer's)"
             )
-        self.executor.collective_rpc(
-            "init_weight_update_group", (master_address, int(master_port), rank_offset, world_size, backend)
-        )
+        args = (master_address, int(master_port), rank_offset, world_size, backend)
+        self._raise_refusals(self.executor.collective_rpc("init_weight_update_group", args))
 
     def update_weights_from_distributed(
         self,

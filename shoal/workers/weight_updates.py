@@ -152,11 +152,16 @@ class WeightUpdates:
 
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None
-    ) -> None:
+    ) -> str | None:
+        """Join the trainer's group as rank `rank_offset + this worker's rank`; returns why not, or None."""
         if self.group is not None:
-            raise ValueError("this engine is already in a weight-update group: destroy_weight_update_group() first")
+            return "this engine is already in a weight-update group: call destroy_weight_update_group() first"
         rank = rank_offset + self.worker.rank
-        self.group = WeightUpdateGroup(master_address, master_port, rank, world_size, self.worker.device, backend)
+        try:
+            self.group = WeightUpdateGroup(master_address, master_port, rank, world_size, self.worker.device, backend)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def from_distributed(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], bucket_bytes: int

@@ -171,8 +171,8 @@ class Worker:
 
     def init_weight_update_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
-    ) -> None:
-        self.weight_updates.init_group(master_address, master_port, rank_offset, world_size, backend)
+    ) -> str | None:
+        return self.weight_updates.init_group(master_address, master_port, rank_offset, world_size, backend)
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int

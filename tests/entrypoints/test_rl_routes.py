@@ -140,6 +140,8 @@ def test_weight_updates_over_http(http: httpx.Client, rl_server: ServerProcess, 
         joined = pool.submit(trainer.start_sender, port, 2, 128 << 10)
         assert http.post("/init_weight_update_group", json=group).json() == {"success": True}
         joined.result(timeout=60)
+        again = http.post("/init_weight_update_group", json=group)
+        assert again.status_code == 400 and "already in a weight-update group" in again.json()["error"]["message"]
         sent = pool.submit(trainer.send)
         response = http.post(
             "/update_weights_from_distributed", json={**trainer.metadata(), "weight_version": "step-1"}
