@@ -2,7 +2,8 @@
 
 It owns the scheduler and the executor. This class is the in-process core; the engine-core
 process wraps it with socket threads (see `engine_core/process.py`). Pause/resume and
-sleep/wake_up come from `GenerationControl` (engine_core/generation_control.py).
+sleep/wake_up come from `GenerationControl` (engine_core/generation_control.py), the weight
+updates from `WeightUpdateControl` (engine_core/weight_updates.py).
 
 When a Ray worker dies the executor says so with `WorkerDiedError`; the core then requeues the
 running requests for recompute, has the executor re-create the worker, and carries on, as long as
@@ -22,6 +23,7 @@ from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
+from shoal.engine_core.weight_updates import WeightUpdateControl
 from shoal.engine_core.worker_restarts import RestartBudget
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
@@ -48,7 +50,7 @@ class StepTimes:
         self.execute_s += execute_s
 
 
-class EngineCore(GenerationControl):
+class EngineCore(GenerationControl, WeightUpdateControl):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         start = time.perf_counter()

@@ -139,7 +139,7 @@ class GenerationControl:
         if self.sleeping_tags:
             return f"the engine is asleep ({', '.join(sorted(self.sleeping_tags))}): call wake_up() first"
         if self.scheduler.weights_missing:
-            return "the engine's weights were discarded by sleep(level=2): load new weights first"
+            return "the engine's weights were discarded by sleep(level=2) or are half updated: load new weights first"
         if self.scheduler.pause_mode is not None:
             return "generation is paused: call resume_generation() first"
         return None

@@ -61,6 +61,14 @@ UTILITY_METHODS = frozenset(
         "wake_up",
         "is_sleeping",
         "generation_hold",
+        # weight_updates.py
+        "update_weights_from_disk",
+        "update_weights_from_tensors",
+        "check_weights",
+        "init_weight_update_group",
+        "update_weights_from_distributed",
+        "destroy_weight_update_group",
+        "get_weight_version",
     }
 )
 

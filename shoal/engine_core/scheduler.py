@@ -104,7 +104,7 @@ class Scheduler:
         # Why scheduling is held, if it is (see `_update_admission`).
         self.pause_mode: str | None = None
         self.sleeping = False
-        self.weights_missing = False  # discarded by a level-2 sleep, not yet replaced
+        self.weights_missing = False  # discarded by a level-2 sleep (or half updated), not yet replaced
         self.admission = Admission.OPEN
         # Structured output: the grammars' manager, the requests whose grammar is still being
         # compiled (kept out of `waiting`, so they hold up no one), how many requests with a
@@ -558,6 +558,12 @@ class Scheduler:
             self.weights_missing = False
             self._update_admission()
         return self.weight_version
+
+    def hold_for_weight_update(self) -> None:
+        """An update in several calls has begun: hold scheduling until its last call (which
+        advances the weight version), so that no step runs with half-written weights."""
+        self.weights_missing = True
+        self._update_admission()
 
     # ---- pause and sleep ----------------------------------------------------------------------
     # The engine core lands every step still in flight before it calls these (except a "wait"

@@ -207,6 +207,66 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return await self._call("is_paused")
 
+    # ---- RL rollouts: weight updates (as `LLM`'s; docs/rl.md) ------------------------------
+
+    async def update_weights_from_disk(
+        self, path: str, weight_version: str | None = None, reset_prefix_cache: bool = True
+    ) -> str:
+        return await self._call("update_weights_from_disk", str(path), weight_version, reset_prefix_cache)
+
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: Any,
+        weight_version: str | None = None,
+        reset_prefix_cache: bool = True,
+        bucket_bytes: int | None = None,
+    ) -> str:
+        from shoal.frontend.weight_updates import named_tensor_list, needs_check_first, tensor_update_calls
+        from shoal.rl.buckets import DEFAULT_BUCKET_BYTES
+
+        named = named_tensor_list(named_tensors)
+        metas = needs_check_first(named)
+        if metas is not None:
+            await self._call("check_weights", metas)
+        version = ""
+        for buckets, final in tensor_update_calls(named, bucket_bytes or DEFAULT_BUCKET_BYTES):
+            version = await self._call(
+                "update_weights_from_tensors", buckets, weight_version, reset_prefix_cache, final
+            )
+        return version
+
+    async def init_weight_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
+    ) -> None:
+        await self._call("init_weight_update_group", master_address, master_port, rank_offset, world_size, backend)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None = None,
+        reset_prefix_cache: bool = True,
+        bucket_bytes: int | None = None,
+    ) -> str:
+        from shoal.engine_core.weight_updates import DEFAULT_BUCKET_BYTES
+
+        return await self._call(
+            "update_weights_from_distributed",
+            list(names),
+            [str(d).removeprefix("torch.") for d in dtypes],
+            [list(s) for s in shapes],
+            weight_version,
+            reset_prefix_cache,
+            bucket_bytes or DEFAULT_BUCKET_BYTES,
+        )
+
+    async def destroy_weight_update_group(self) -> None:
+        await self._call("destroy_weight_update_group")
+
+    async def get_weight_version(self) -> str:
+        return await self._call("get_weight_version")
+
     async def start_profile(self, profile_dir: str | None = None) -> None:
         """As `LLM.start_profile`."""
         await self.collective_rpc("start_profile", (profile_directory(profile_dir),))

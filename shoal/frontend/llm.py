@@ -192,6 +192,83 @@ class LLM:
     def is_paused(self) -> bool:
         return self.engine_core.call_utility("is_paused")
 
+    # ---- RL rollouts: weight updates (docs/rl.md) -------------------------------------------
+    # Each returns the new weight version; a refused update (an unknown name, a wrong shape or
+    # dtype, weights asleep) raises ValueError and leaves the old weights serving.
+
+    def update_weights_from_disk(
+        self, path: str, weight_version: str | None = None, reset_prefix_cache: bool = True
+    ) -> str:
+        """Load new weights from a safetensors folder (Hugging Face names, any float dtype)."""
+        return self.engine_core.call_utility("update_weights_from_disk", str(path), weight_version, reset_prefix_cache)
+
+    def update_weights_from_tensors(
+        self,
+        named_tensors: Any,
+        weight_version: str | None = None,
+        reset_prefix_cache: bool = True,
+        bucket_bytes: int | None = None,
+    ) -> str:
+        """Load (name, tensor) pairs (a dict, a list of pairs or a module's parameters) from
+        this process, whole Hugging Face tensors in the engine's dtype. CPU tensors travel as
+        bytes; CUDA tensors through CUDA IPC, one bucket of `bucket_bytes` at a time."""
+        from shoal.frontend.weight_updates import named_tensor_list, needs_check_first, tensor_update_calls
+        from shoal.rl.buckets import DEFAULT_BUCKET_BYTES
+
+        named = named_tensor_list(named_tensors)
+        metas = needs_check_first(named)
+        if metas is not None:
+            self.engine_core.call_utility("check_weights", metas)
+        version = ""
+        for buckets, final in tensor_update_calls(named, bucket_bytes or DEFAULT_BUCKET_BYTES):
+            version = self.engine_core.call_utility(
+                "update_weights_from_tensors", buckets, weight_version, reset_prefix_cache, final
+            )
+        return version
+
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
+    ) -> None:
+        """Join a trainer's weight-update group (rank 0: its `shoal.rl.WeightSender`, built at
+        the same time); this engine's workers are ranks `rank_offset` on."""
+        self.engine_core.call_utility(
+            "init_weight_update_group", master_address, master_port, rank_offset, world_size, backend
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None = None,
+        reset_prefix_cache: bool = True,
+        bucket_bytes: int | None = None,
+    ) -> str:
+        """Receive the trainer's `WeightSender.send` of these tensors (run it concurrently:
+        this call returns once every bucket has arrived and been loaded)."""
+        from shoal.engine_core.weight_updates import DEFAULT_BUCKET_BYTES
+
+        return self.engine_core.call_utility(
+            "update_weights_from_distributed",
+            list(names),
+            [str(d).removeprefix("torch.") for d in dtypes],
+            [list(s) for s in shapes],
+            weight_version,
+            reset_prefix_cache,
+            bucket_bytes or DEFAULT_BUCKET_BYTES,
+        )
+
+    def destroy_weight_update_group(self) -> None:
+        self.engine_core.call_utility("destroy_weight_update_group")
+
+    def get_weight_version(self) -> str:
+        return self.engine_core.call_utility("get_weight_version")
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights the engine runs now ("0" until the first update)."""
+        return self.get_weight_version()
+
     def start_profile(self, profile_dir: str | None = None) -> None:
         """Run torch.profiler on every worker, where the model runs (the engine-core process or
         its Ray actors), until `stop_profile`. Traces go to `profile_dir`, else to

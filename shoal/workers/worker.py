@@ -21,10 +21,12 @@ from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
+from shoal.rl.tensor_transfer import decode_metas
 from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
 from shoal.workers.sleep import KV_CACHE, WEIGHTS, WorkerSleep
+from shoal.workers.weight_updates import WeightUpdates
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class Worker:
         # What the GPU held when this worker started: other processes' (a colocated trainer's)
         # memory, which KV-cache sizing does not charge to the engine (gpu_memory.py).
         self.device_used_at_start_bytes = 0
+        self.weight_updates = WeightUpdates(self)
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -167,6 +170,32 @@ class Worker:
         """Restore the parts `tags` names ("weights", "kv_cache") that are asleep."""
         self.sleeper.wake_up(tags)
 
+    # ---- RL weight updates (shoal/workers/weight_updates.py): each returns the error that
+    # kept the weights unchanged, or None once they are written ---------------------------------
+
+    def update_weights_from_disk(self, path: str) -> str | None:
+        return self.weight_updates.from_disk(path)
+
+    def update_weights_from_tensors(self, buckets: list[dict[str, Any]]) -> str | None:
+        return self.weight_updates.from_tensors(buckets)
+
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
+    ) -> str | None:
+        return self.weight_updates.init_group(master_address, master_port, rank_offset, world_size, backend)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int
+    ) -> str | None:
+        return self.weight_updates.from_distributed(names, dtypes, shapes, bucket_bytes)
+
+    def check_weights(self, metas: list[list[Any]]) -> str | None:
+        """Why an update of these [name, dtype, shape] would be refused, or None."""
+        return self.weight_updates.check(decode_metas(metas))
+
+    def destroy_weight_update_group(self) -> None:
+        self.weight_updates.destroy_group()
+
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold on this worker's device now."""
         return self.sleeper.resident_bytes()
@@ -189,6 +218,7 @@ class Worker:
         return "cpu" if self.placement is None else f"cpu:{self.placement}"
 
     def shutdown(self) -> None:
+        self.weight_updates.destroy_group()
         self.model_runner = None
         self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone
         if self.config.parallel_config.world_size > 1:
