@@ -33,7 +33,9 @@ PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
 
 
-@triton.jit
+# The split arguments change with the batch in eager steps (a mixed batch's decodes): no
+# specialization on their values, so no variant is first compiled in the middle of serving.
+@triton.jit(do_not_specialize=["split_tokens", "num_splits"])
 def _mla_decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
     qk_scale, split_tokens, num_splits, num_heads,
@@ -93,7 +95,7 @@ def _mla_decode_kernel(
         tl.store(out_rows[:, None] + offs_c[None, :], out, mask=h_valid[:, None] & c_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_tokens", "num_splits"])
 def _mla_combine_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr, split_tokens, num_splits, num_heads,
     stride_o_req, stride_o_head,
