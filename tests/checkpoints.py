@@ -104,7 +104,7 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             rope_parameters=dict(rope_theta=1e6),
         ),
     ),
-    # DeepSeek-V2(-Lite): MLA without q_lora, yarn rope with V2-Lite's unequal mscales,
+    # DeepSeek-V2(-Lite): MLA without q_lora, yarn rope with unequal mscales (cos and sin scaled),
     # group-limited greedy softmax routing (2 of 4 groups), 2 shared experts, layer 0 dense.
     "deepseek_v2": (
         "DeepseekV2Config",

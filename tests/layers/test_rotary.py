@@ -76,8 +76,8 @@ def test_rotary_module_rotates_in_place():
     assert not torch.equal(q[2], q0[2])
 
 
-# DeepSeek-V3's published rope_scaling (factor 40 over a 4k pretraining context), and V2-Lite's
-# pair of mscales that differ (0.707 vs 1), which leaves cos and sin scaled.
+# DeepSeek-V3's published rope_scaling (factor 40, equal mscales), and a pair of mscales that
+# differ (0.707 vs 1), which leaves cos and sin scaled.
 YARN_SCALINGS = [
     dict(factor=40.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1),
     dict(factor=4.0, mscale=0.707, mscale_all_dim=1.0, original_max_position_embeddings=128),
