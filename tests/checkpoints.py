@@ -18,6 +18,8 @@ import torch
 KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "llama_odd_vocab")
 # Mixture-of-experts kinds, kept apart so that the tests looping over KINDS stay as long as they were.
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+# DeepSeek's multi-head latent attention with its mixtures of experts, kept apart likewise.
+DEEPSEEK_KINDS = ("deepseek_v2", "deepseek_v3")
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 _CORPUS = [
@@ -102,6 +104,73 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             rope_parameters=dict(rope_theta=1e6),
         ),
     ),
+    # DeepSeek-V2(-Lite): MLA without q_lora, yarn rope with unequal mscales (cos and sin scaled),
+    # group-limited greedy softmax routing (2 of 4 groups), 2 shared experts, layer 0 dense.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            vocab_size=384,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+            rope_scaling=dict(
+                type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                mscale=0.707,
+                mscale_all_dim=1.0,
+                original_max_position_embeddings=128,
+                beta_fast=32,
+                beta_slow=1,
+            ),
+        ),
+    ),
+    # DeepSeek-V3: MLA with q_lora, sigmoid scores chosen with a (random, non-zero) correction
+    # bias over 2 of 4 groups, renormalized and scaled; one shared expert; layer 0 dense.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            vocab_size=384,
+            num_key_value_heads=4,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_scaling=dict(
+                type="yarn",
+                rope_theta=10000.0,
+                factor=8.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                original_max_position_embeddings=64,
+                beta_fast=32,
+                beta_slow=1,
+            ),
+        ),
+    ),
 }
 # Kinds saved as transformers holds them in memory (stacked expert tensors) rather than in the
 # published per-tensor layout.
@@ -151,5 +220,14 @@ def make_checkpoint(kind: str, path: str | Path, seed: int = 0, extra_tokens: tu
     assert config.vocab_size == len(tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_correction_biases(model)
     model.save_pretrained(path, safe_serialization=True, save_original_format=kind not in _SAVED_AS_IN_MEMORY)
     return path
+
+
+def _randomize_correction_biases(model: Any) -> None:
+    """DeepSeek-V3's routers start with an all-zero e_score_correction_bias, which would leave
+    the bias's part of the routing untested: give it values of the scores' size."""
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.rand(buffer.shape) * 0.5)

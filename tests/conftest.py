@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoints import KINDS, MOE_KINDS, make_checkpoint
+from tests.checkpoints import DEEPSEEK_KINDS, KINDS, MOE_KINDS, make_checkpoint
 
 # The GPU machine has no OpenAI client, and its suite (`-m gpu`) has no test in these modules;
 # CI installs the client, so there they are always collected.
@@ -25,6 +25,13 @@ def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     """kind -> folder of a tiny random mixture-of-experts checkpoint (MOE_KINDS)."""
     root = tmp_path_factory.mktemp("moe_checkpoints")
     return {kind: make_checkpoint(kind, root / kind) for kind in MOE_KINDS}
+
+
+@pytest.fixture(scope="session")
+def deepseek_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """kind -> folder of a tiny random DeepSeek-V2 / V3 checkpoint (DEEPSEEK_KINDS)."""
+    root = tmp_path_factory.mktemp("deepseek_checkpoints")
+    return {kind: make_checkpoint(kind, root / kind) for kind in DEEPSEEK_KINDS}
 
 
 @pytest.fixture(scope="session")

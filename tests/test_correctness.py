@@ -108,7 +108,19 @@ def test_preemption_keeps_outputs_equal_to_hf(tiny_checkpoints: dict) -> None:
 def test_moe_models_match_hf_with_chunked_prefill_preemption_and_prefix_hits(moe_checkpoints: dict, kind: str) -> None:
     """Eight prompts with chunked prefills in a cache too small for all of them (preemption),
     then the same prompts again, their prefixes now cached: every run equals transformers."""
-    path = str(moe_checkpoints[kind])
+    check_chunked_prefill_preemption_and_prefix_hits(str(moe_checkpoints[kind]))
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_models_match_hf_with_chunked_prefill_preemption_and_prefix_hits(
+    deepseek_checkpoints: dict, kind: str
+) -> None:
+    """The same for multi-head latent attention: chunks after a cached prefix and resumed
+    requests read their context's latents back from the cache; decodes run absorbed."""
+    check_chunked_prefill_preemption_and_prefix_hits(str(deepseek_checkpoints[kind]))
+
+
+def check_chunked_prefill_preemption_and_prefix_hits(path: str) -> None:
     llm = LLM(path, block_size=4, num_gpu_blocks_override=40, max_model_len=100, max_num_batched_tokens=24)
     prompts = prompts_for(llm.get_tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)

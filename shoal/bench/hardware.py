@@ -136,6 +136,9 @@ class ModelShape:
     experts_per_token: int = 0
     expert_params: int = 0  # one routed expert of one layer
     expert_bytes: int = 0
+    # Multi-head latent attention (DeepSeek): flops of one (query, key) pair in one head, when
+    # they are not 4 x head_dim (0: standard attention).
+    flops_per_pair_per_head: int = 0
 
     @property
     def num_params(self) -> int:
@@ -160,7 +163,8 @@ class ModelShape:
     @property
     def attention_flops_per_pair(self) -> int:
         """Q·K and P·V for one (query, key) pair over every layer and head: 2 × 2 × head_dim each."""
-        return 4 * self.num_layers * self.num_heads * self.head_dim
+        per_head = self.flops_per_pair_per_head or 4 * self.head_dim
+        return self.num_layers * self.num_heads * per_head
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "num_params": self.num_params}
@@ -181,6 +185,9 @@ class ModelShape:
         model_type = getattr(hf_config, "model_type", "")
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
+        mla = _mla_shape(hf_config, hidden, num_heads)
+        if mla is not None:
+            attention = mla["params"]
         if getattr(hf_config, "attention_bias", False) or model_type in ("qwen2", "qwen2_moe"):
             attention += q_size + 2 * kv_size + (hidden if getattr(hf_config, "attention_bias", False) else 0)
         if model_type in ("qwen3", "qwen3_moe"):
@@ -207,13 +214,30 @@ class ModelShape:
             lm_head_params=lm_head,
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             weight_bytes=weight_bytes,
-            kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * kv_bytes,
+            kv_bytes_per_token=num_layers * kv_bytes * (mla["latent"] if mla else 2 * num_kv_heads * head_dim),
             num_moe_layers=moe["num_moe_layers"],
             num_experts=moe["num_experts"],
             experts_per_token=moe["experts_per_token"],
             expert_params=moe["expert_params"],
             expert_bytes=moe["expert_params"] * dtype_bytes,  # the experts stay in the model's dtype
+            flops_per_pair_per_head=mla["flops_per_pair"] if mla else 0,
         )
+
+
+def _mla_shape(hf_config: Any, hidden: int, num_heads: int) -> dict[str, int] | None:
+    """Multi-head latent attention's parameters of one layer, the latent a token caches, and the
+    flops of one (query, key) pair in one head as the absorbed decode computes them (the score
+    over the whole latent, the output over its kv_lora_rank values; decode dominates the bound
+    of a generation workload). None for standard attention."""
+    rank = int(getattr(hf_config, "kv_lora_rank", None) or 0)
+    if not rank:
+        return None
+    nope, rope, v_dim = (int(getattr(hf_config, k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    q_lora = int(getattr(hf_config, "q_lora_rank", None) or 0)
+    q_head = num_heads * (nope + rope)
+    query = hidden * q_head if not q_lora else hidden * q_lora + q_lora + q_lora * q_head
+    params = query + hidden * (rank + rope) + rank + rank * num_heads * (nope + v_dim) + num_heads * v_dim * hidden
+    return dict(params=params, latent=rank + rope, flops_per_pair=2 * (rank + rope) + 2 * rank)
 
 
 def _moe_shape(hf_config: Any, hidden: int) -> dict[str, int]:

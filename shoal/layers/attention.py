@@ -16,6 +16,7 @@ from torch import nn
 from shoal.forward_context import get_forward_context
 from shoal.kernels.paged_attention import paged_attention
 from shoal.kernels.reshape_and_cache import reshape_and_cache
+from shoal.layers.kv_cache_spec import KVCacheSpec, full_attention_spec
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,11 @@ class Attention(nn.Module):
             raise ValueError(f"{num_heads} query heads cannot share {self.num_kv_heads} KV heads evenly")
         # A plain attribute, not a buffer: the runner owns the cache and binds it here.
         self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """A key and a value per KV head and token."""
+        return full_attention_spec(self.num_kv_heads, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cached: bool = False) -> torch.Tensor:
         """q [num_tokens, num_heads * head_dim], k and v [num_tokens, num_kv_heads * head_dim]

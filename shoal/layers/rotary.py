@@ -2,7 +2,8 @@
 Llama-family checkpoints use: linear position interpolation (Chen et al., 2023, "Extending
 Context Window of Large Language Models via Positional Interpolation") and Llama 3.1's
 wavelength-dependent scaling (Meta, 2024, "The Llama 3 Herd of Models"; reference code in
-meta-llama/llama-models `apply_scaling`).
+meta-llama/llama-models `apply_scaling`), and YaRN (Peng et al., 2023, "YaRN: Efficient Context
+Window Extension of Large Language Models"), which DeepSeek-V2/V3 use with its mscale.
 
 cos and sin are precomputed for every position up to `max_position` into one `cos_sin_cache`
 [max_position, rotary_dim] (cos then sin), the layout the rotary kernel reads.
@@ -75,24 +76,97 @@ def _llama3_inv_freq(params: dict[str, Any], rotary_dim: int, max_position: int)
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_factor(params: dict[str, Any], max_position: int) -> float:
+    """The context extension factor; without one, max_position / the pretraining context."""
+    factor = params.get("factor")
+    if factor is None:
+        return max_position / float(params["original_max_position_embeddings"])
+    return float(factor)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature, 0.1 * mscale * ln(scale) + 1 (1 without extension)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(params: dict[str, Any], rotary_dim: int, max_position: int) -> torch.Tensor:
+    """YaRN's "NTK-by-parts": pairs that rotate more than `beta_fast` times over the pretraining
+    context keep their frequency (extrapolation), those rotating fewer than `beta_slow` times are
+    divided by `factor` (interpolation), and a linear ramp over the pair index blends between."""
+    base, factor = float(params["rope_theta"]), _yarn_factor(params, max_position)
+    original_context = float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def correction_dim(num_rotations: float) -> float:  # the pair index that rotates that often
+        return rotary_dim * math.log(original_context / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    wavelength_scale = base**exponents  # theta^(2i / d)
+    keep = 1 - ramp  # 1: the pair keeps its frequency
+    return 1.0 / (factor * wavelength_scale) * (1 - keep) + 1.0 / wavelength_scale * keep
+
+
+def yarn_attention_factor(params: dict[str, Any], max_position: int) -> float:
+    """The scale YaRN applies to cos and sin: `attention_factor` when given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek's pair, which cancel when
+    equal), else mscale(factor)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _yarn_factor(params, max_position)
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_get_mscale(factor, float(mscale)) / yarn_get_mscale(factor, float(mscale_all_dim))
+    return yarn_get_mscale(factor)
+
+
+def yarn_softmax_scale(params: dict[str, Any]) -> float:
+    """DeepSeek's extra softmax scale under a scaled rope: mscale(factor, mscale_all_dim)
+    squared (it multiplies q.k, where the cos/sin scale enters twice); 1 otherwise."""
+    mscale_all_dim = params.get("mscale_all_dim")
+    if params.get("rope_type", "default") == "default" or not mscale_all_dim:
+        return 1.0
+    mscale = yarn_get_mscale(float(params["factor"]), float(mscale_all_dim))
+    return mscale * mscale
+
+
 _INV_FREQ: dict[str, Callable[[dict[str, Any], int, int], torch.Tensor]] = {
     "default": _default_inv_freq,
     "linear": _linear_inv_freq,
     "llama3": _llama3_inv_freq,
+    "yarn": _yarn_inv_freq,
 }
 
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE in place to the query and key of a flat batch, indexed by position."""
 
-    def __init__(self, head_size: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor, is_neox_style: bool):
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        inv_freq: torch.Tensor,
+        is_neox_style: bool,
+        attention_factor: float = 1.0,
+    ):
+        """`attention_factor` scales cos and sin (YaRN's temperature; 1 for the others)."""
         super().__init__()
         self.head_size, self.rotary_dim = head_size, rotary_dim
         self.max_position = max_position
         self.is_neox_style = is_neox_style
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]  # [max_position, rotary_dim / 2]
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, rotary_dim]
+        cos, sin = freqs.cos(), freqs.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        cache = torch.cat((cos, sin), dim=-1)  # [max_position, rotary_dim]
         # Not a parameter and not saved: derived from the config, like HF's inv_freq.
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_dtype()), persistent=False)
 
@@ -117,4 +191,5 @@ def get_rope(
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported; shoal supports {sorted(_INV_FREQ)}")
     rotary_dim = int(head_size * float(rope_params.get("partial_rotary_factor", 1.0)))
     inv_freq = _INV_FREQ[rope_type](rope_params, rotary_dim, max_position)
-    return RotaryEmbedding(head_size, rotary_dim, max_position, inv_freq, is_neox_style)
+    attention_factor = yarn_attention_factor(rope_params, max_position) if rope_type == "yarn" else 1.0
+    return RotaryEmbedding(head_size, rotary_dim, max_position, inv_freq, is_neox_style, attention_factor)

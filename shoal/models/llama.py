@@ -207,8 +207,10 @@ class LlamaModel(nn.Module):
         pipeline_layer_partition: tuple[int, ...] | None = None,
         quant_config: Fp8Config | None = None,
         build_mlp: BuildMlp | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ):
-        """`build_mlp(layer_index, prefix)`: a layer's MLP, or None for the dense one."""
+        """`build_mlp(layer_index, prefix)`: a layer's MLP, or None for the dense one;
+        `rotary_emb`: the rotary embedding when it is not the config's neox-style one."""
         super().__init__()
         warn_if_sliding_window(config)
         pp = get_pp_group()
@@ -219,7 +221,9 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache shared by every layer (it can be large: max_position x head_dim).
-        self.rotary_emb = get_rope(head_dim_of(config), config.max_position_embeddings, rope_params_from_config(config))
+        self.rotary_emb = rotary_emb or get_rope(
+            head_dim_of(config), config.max_position_embeddings, rope_params_from_config(config)
+        )
         self.layers = nn.ModuleDict(
             {
                 str(i): LlamaDecoderLayer(
@@ -274,7 +278,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.quant_config = quant_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, self.attention_cls, pipeline_layer_partition, quant_config, self.build_mlp)
+        self.model = LlamaModel(
+            hf_config, self.attention_cls, pipeline_layer_partition, quant_config, self.build_mlp, self.build_rope()
+        )
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
             if self.tie_word_embeddings and self.model.is_first_stage:
@@ -283,6 +289,10 @@ class LlamaForCausalLM(nn.Module):
     def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
         """The MLP of decoder layer `layer_index` (parameter prefix `prefix`); None: the dense
         SwiGLU MLP. Mixture-of-experts models return their expert block for their MoE layers."""
+        return None
+
+    def build_rope(self) -> RotaryEmbedding | None:
+        """The rotary embedding every layer shares; None: the config's, neox style."""
         return None
 
     def forward(

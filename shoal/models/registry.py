@@ -13,9 +13,19 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("shoal.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("shoal.models.qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("shoal.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("shoal.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("shoal.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 # The architectures with mixture-of-experts layers (what `enable_expert_parallel` applies to).
-_MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+_MOE_ARCHITECTURES = frozenset(
+    {
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+    }
+)
 
 
 def supported_architectures() -> set[str]:

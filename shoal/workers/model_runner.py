@@ -131,20 +131,19 @@ class ModelRunner:
         self.model = get_model(self.model_config, self.device, self.config.parallel_config)
 
     def kv_cache_block_bytes(self) -> int:
-        """Bytes of one KV block across this worker's attention layers (K and V)."""
-        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one KV block across this worker's attention layers, by each layer's
+        `kv_cache_spec` (K and V per KV head; MLA's one latent)."""
         return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_dim * element_bytes
-            for layer in self._model.attention_layers()
+            layer.kv_cache_spec.block_bytes(self.block_size, self.dtype) for layer in self._model.attention_layers()
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate each layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim]
-        (index 0 holds keys, 1 values), and bind it to the layer."""
+        """Allocate each layer's cache of the shape its `kv_cache_spec` gives (standard attention:
+        [2, num_blocks, block_size, num_kv_heads, head_dim], index 0 keys, 1 values), and bind it
+        to the layer."""
         self.kv_caches = []
         for layer in self._model.attention_layers():
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = layer.kv_cache_spec.allocate(num_blocks, self.block_size, self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
@@ -226,9 +225,7 @@ class ModelRunner:
         )
         metadata = self._attention_metadata(query_start_loc, query_lens, views)
         for layer in self._model.attention_layers():
-            layer.kv_cache = torch.zeros(
-                (2, 1, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=self.dtype, device=self.device
-            )
+            layer.kv_cache = layer.kv_cache_spec.allocate(1, self.block_size, self.dtype, self.device)
         with set_forward_context(metadata):
             hidden_states = self._model(views["input_ids"], views["positions"])
         if get_pp_group().is_last_rank:

@@ -105,6 +105,39 @@ def test_moe_shapes_match_transformers(moe_checkpoints: dict[str, Path]) -> None
         assert ModelShape.from_hf_config(config, "float32").num_params == model.num_parameters(), kind
 
 
+def test_mla_shapes_match_transformers(deepseek_checkpoints: dict[str, Path]) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for kind, path in deepseek_checkpoints.items():
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        shape = ModelShape.from_hf_config(config, "float32")
+        assert shape.num_params == model.num_parameters(), kind
+        assert shape.kv_bytes_per_token == 3 * (32 + 8) * 4  # one latent a layer
+
+
+@pytest.mark.parametrize(
+    ("name", "num_params", "num_moe_layers"),
+    [
+        ("deepseek-v2-lite", 15_706_484_224, 26),
+        ("deepseek-v3", 671_026_404_352, 58),
+        ("deepseek-v3-8layer", 61_140_245_504, 5),
+    ],
+)
+def test_shipped_deepseek_configs(name: str, num_params: int, num_moe_layers: int) -> None:
+    """V2-Lite's 15.7B and V3's 671B (without its multi-token-prediction layer); the cache holds
+    512 + 64 values a layer and token, whatever the heads."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(CONFIGS / name)
+    shape = ModelShape.from_hf_config(config, "bfloat16")
+    assert (shape.num_params, shape.num_moe_layers) == (num_params, num_moe_layers)
+    assert shape.kv_bytes_per_token == config.num_hidden_layers * 576 * 2
+    assert shape.attention_flops_per_pair == config.num_hidden_layers * config.num_attention_heads * (2 * 576 + 2 * 512)
+
+
 def test_a_moe_step_reads_the_experts_its_tokens_touch() -> None:
     from transformers import AutoConfig
 
@@ -125,6 +158,7 @@ def test_a_moe_step_reads_the_experts_its_tokens_touch() -> None:
         ("qwen3-0.6b", 596_049_920, 112),
         ("qwen3-8b", 8_190_735_360, 144),
         ("qwen3-30b-a3b", 30_532_122_624, 96),
+        ("mixtral-8x7b", 46_702_792_704, 128),
     ],
 )
 def test_shipped_configs(name: str, num_params: int, kv_kib_per_token: int) -> None:

@@ -133,6 +133,33 @@ def test_moe_parallel_greedy_matches_tp1_and_hf(
         llm.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp", "expert_parallel"),
+    [
+        ("deepseek_v3", 2, 1, False),  # MLA's heads split in two, each rank its half of the experts' width
+        ("deepseek_v2", 1, 2, False),  # the dense layer and one MoE layer on stage 0, the last on stage 1
+        ("deepseek_v2", 2, 1, True),  # experts 0-3 on rank 0, 4-7 on rank 1; the shared experts split
+    ],
+)
+def test_deepseek_parallel_greedy_matches_tp1_and_hf(
+    ray_cluster: dict, deepseek_checkpoints: dict, kind: str, tp: int, pp: int, expert_parallel: bool
+):
+    path = str(deepseek_checkpoints[kind])
+    llm = LLM(
+        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=expert_parallel, **ENGINE_ARGS
+    )
+    try:
+        check_generation(llm, path, pp)
+        if expert_parallel:
+            local = llm.collective_rpc(lambda w: w.model_runner.model.model.layers["1"].mlp.experts.num_local_experts)
+            assert local == [4, 4]
+        if tp == 2:
+            heads = llm.collective_rpc(lambda w: w.model_runner.model.model.layers["0"].self_attn.num_heads)
+            assert heads == [2, 2]
+    finally:
+        llm.shutdown()
+
+
 def check_generation(llm: LLM, path: str, pp: int) -> None:
     probe = BatchQueueProbe(llm)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(llm)], PARAMS, use_tqdm=False)

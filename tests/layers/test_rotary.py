@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from shoal.layers.rotary import get_rope, rope_params_from_config
+from shoal.layers.rotary import get_rope, rope_params_from_config, yarn_softmax_scale
 
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
 
@@ -30,8 +30,8 @@ def test_rope_params_from_old_style_config():
 
 
 def test_unsupported_rope_type_fails_clearly():
-    with pytest.raises(NotImplementedError, match="yarn"):
-        get_rope(16, 64, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(NotImplementedError, match="longrope"):
+        get_rope(16, 64, {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
 
 
 @pytest.mark.parametrize(
@@ -74,3 +74,32 @@ def test_rotary_module_rotates_in_place():
     assert out_q is q and out_k is k
     assert torch.equal(q[0], q0[0])  # position 0: the identity
     assert not torch.equal(q[2], q0[2])
+
+
+# DeepSeek-V3's published rope_scaling (factor 40, equal mscales), and a pair of mscales that
+# differ (0.707 vs 1), which leaves cos and sin scaled.
+YARN_SCALINGS = [
+    dict(factor=40.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=64, beta_fast=32, beta_slow=1),
+    dict(factor=4.0, mscale=0.707, mscale_all_dim=1.0, original_max_position_embeddings=128),
+]
+
+
+@pytest.mark.parametrize("scaling", YARN_SCALINGS)
+def test_yarn_cos_sin_cache_and_softmax_scale_match_hf(scaling):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+    config = DeepseekV3Config(
+        hidden_size=64,
+        num_attention_heads=2,
+        qk_rope_head_dim=16,
+        max_position_embeddings=512,
+        rope_scaling=dict(type="yarn", rope_theta=10000.0, **scaling),
+    )
+    params = rope_params_from_config(config)
+    assert params["rope_type"] == "yarn"
+    cos, sin = DeepseekV3RotaryEmbedding(config)(torch.zeros(1, 512, 16), torch.arange(512)[None])
+    rope = get_rope(16, 512, params, is_neox_style=False)
+    torch.testing.assert_close(rope.cos_sin_cache, torch.cat((cos[0, :, :8], sin[0, :, :8]), dim=-1), rtol=0, atol=0)
+    assert 24**-0.5 * yarn_softmax_scale(params) == pytest.approx(yarn_apply_mscale(config.rope_parameters, 24**-0.5))
+    assert yarn_softmax_scale(params) > 1.0

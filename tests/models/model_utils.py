@@ -41,8 +41,7 @@ class PagedRunner:
         for model in self.models:
             for layer in model.attention_layers():
                 dtype = next(model.parameters()).dtype
-                shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-                layer.kv_cache = torch.zeros(shape, dtype=dtype)
+                layer.kv_cache = layer.kv_cache_spec.allocate(num_blocks, block_size, dtype, torch.device("cpu"))
 
     def step(self, sequences: list[list[int]], chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Compute positions [start, end) of each sequence; returns each one's logits [end - start, vocab]."""

@@ -42,6 +42,7 @@ def register_triton_kernels() -> bool:
     from shoal.kernels.dispatch import register_kernel
     from shoal.kernels.triton.fused_moe import triton_fused_moe
     from shoal.kernels.triton.gemv import triton_gemv
+    from shoal.kernels.triton.mla_decode import triton_concat_and_cache_mla, triton_mla_decode
     from shoal.kernels.triton.paged_attention import triton_paged_attention
     from shoal.kernels.triton.rope_and_cache import triton_rope_and_cache
     from shoal.kernels.triton.sampling import triton_gumbel_sample
@@ -51,4 +52,6 @@ def register_triton_kernels() -> bool:
     register_kernel("gemv", triton_gemv)
     register_kernel("rope_and_cache", triton_rope_and_cache)
     register_kernel("fused_moe", triton_fused_moe)
+    register_kernel("mla_decode", triton_mla_decode)
+    register_kernel("concat_and_cache_mla", triton_concat_and_cache_mla)
     return True
