@@ -104,6 +104,13 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)
 
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
+        """Compile the linear method's GPU kernels ahead of a run, where it has any to compile
+        per batch size (block-wise fp8); nothing otherwise."""
+        warm_up = getattr(self.linear_method, "warm_up_kernels", None)
+        if warm_up is not None:
+            warm_up(self, max_num_tokens)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
 

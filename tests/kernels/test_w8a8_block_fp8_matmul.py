@@ -164,3 +164,26 @@ def test_block_fp8_linear_in_a_cuda_graph():
     graph.replay()
     a, a_scale = per_token_group_quant_fp8_ref(x, 128)
     _assert_close_to_reference(out, a, w, a_scale, scale_inv, (128, 128))
+
+
+@pytest.mark.gpu
+def test_block_fp8_linear_warm_up_runs_each_launch_once():
+    from shoal.kernels.triton import block_fp8_config as cfg
+    from shoal.kernels.triton.fused_moe_config import device_name
+    from shoal.layers.linear import ReplicatedLinear
+    from shoal.layers.quantization.fp8_config import Fp8Config
+    from shoal.models.loader import default_dtype
+
+    config = Fp8Config(is_checkpoint_fp8=True, weight_block_size=(128, 128))
+    with default_dtype(torch.bfloat16), torch.device("cuda"):
+        layer = ReplicatedLinear(512, 384, bias=False, quant_config=config)
+    layer.weight.data.zero_()
+    layer.weight_scale_inv.data.fill_(1.0)
+    calls: list[int] = []
+    original = layer.linear_method.apply
+    layer.linear_method.apply = lambda lay, x, bias: calls.append(x.shape[0]) or original(lay, x, bias)  # type: ignore[method-assign]
+    layer.warm_up_kernels(2048)
+    table = cfg.launch_table(384, 512, device_name(torch.device("cuda")), (128, 128))
+    assert {cfg.nearest_launch(table, n) for n in calls} == {cfg.nearest_launch(table, n) for n in range(1, 2049)}
+    layer.warm_up_kernels(2048)  # the shape is compiled: nothing runs
+    assert len(calls) == len(set(calls))

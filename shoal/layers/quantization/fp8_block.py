@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.kernels.dispatch import has_op
 from shoal.kernels.per_token_group_quant_fp8 import per_token_group_quant_fp8
 from shoal.kernels.scaled_fp8_quant import FP8_DTYPE
 from shoal.kernels.w8a8_block_fp8_matmul import w8a8_block_fp8_matmul
@@ -68,6 +69,8 @@ class Fp8BlockLinearMethod(LinearMethod):
             raise ValueError("Fp8BlockLinearMethod needs a weight_block_size")
         self.config = config
         self.block_size: tuple[int, int] = config.weight_block_size
+        # The model's dtype (the loader builds the model under it): the activations' dtype.
+        self.activation_dtype = torch.get_default_dtype()
 
     def create_weights(self, layer: Any, weight_loader: WeightLoader) -> None:
         block_n, block_k = self.block_size
@@ -99,6 +102,28 @@ class Fp8BlockLinearMethod(LinearMethod):
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])  # [..., output_size]
+
+    def warm_up_kernels(self, layer: Any, max_num_tokens: int) -> None:
+        """On CUDA, run the layer once per launch configuration that batches of up to
+        `max_num_tokens` tokens can pick from the GEMM's launch table, so that no step of a run
+        compiles one (once per shape: layers of a shape already warmed up run nothing)."""
+        weight = layer.weight
+        if not has_op("w8a8_block_fp8_matmul", weight):
+            return
+        from shoal.kernels.triton.block_fp8_config import launch_table
+        from shoal.kernels.triton.fused_moe_config import device_name, warm_up_token_counts
+
+        n, k = weight.shape
+        key = (n, k, self.block_size, self.activation_dtype, weight.device, max_num_tokens)
+        if key in _WARMED_UP:
+            return
+        _WARMED_UP.add(key)
+        table = launch_table(n, k, device_name(weight.device), self.block_size)
+        for num_tokens in warm_up_token_counts(table, max_num_tokens):  # type: ignore[arg-type]
+            self.apply(layer, torch.zeros(num_tokens, k, dtype=self.activation_dtype, device=weight.device), None)
+
+
+_WARMED_UP: set[tuple] = set()
 
 
 def block_scale_loader(layer: Any, block_size: tuple[int, int]) -> WeightLoader:
