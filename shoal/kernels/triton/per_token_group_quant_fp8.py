@@ -40,8 +40,10 @@ def _per_token_group_quant_fp8_kernel(
     cols = group * group_size + offsets
     mask = (offsets < group_size) & (cols < hidden)
     x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x)), eps) / fp8_max
-    quantized = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+    # IEEE divisions (Triton may lower float32 `/` to an approximate one): scales and values equal
+    # the reference's bit for bit.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), eps), fp8_max)
+    quantized = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
     tl.store(out_ptr + token * stride_out + cols, quantized.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + token * stride_scale_token + group * stride_scale_group, scale)
 
