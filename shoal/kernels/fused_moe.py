@@ -20,6 +20,8 @@ Hugging Face's order of operations (so float32 matches it to the last bits or ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -38,9 +40,13 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
+    *,
+    intermediate_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """hidden_states [num_tokens, hidden], topk_weights/topk_ids [num_tokens, top_k] ->
-    [num_tokens, hidden] in hidden_states' dtype (see the module docstring)."""
+    [num_tokens, hidden] in hidden_states' dtype (see the module docstring).
+    `intermediate_quant` rounds each expert's silu(gate) * up as a quantized down projection's
+    input is rounded (the block-fp8 reference, shoal/kernels/fused_moe_block_fp8.py)."""
     top_k = topk_ids.shape[1]
     num_local_experts, intermediate2, _ = w13.shape
     out = torch.zeros_like(hidden_states)
@@ -59,7 +65,10 @@ def fused_moe_ref(
         start += count
         tokens = chosen // top_k
         gate, up = F.linear(hidden_states[tokens], w13[expert]).split(intermediate2 // 2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, w2[expert])  # [count, hidden]
+        activated = F.silu(gate) * up  # [count, intermediate]
+        if intermediate_quant is not None:
+            activated = intermediate_quant(activated)
+        expert_out = F.linear(activated, w2[expert])  # [count, hidden]
         out.index_add_(0, tokens, (expert_out * weights[chosen, None]).to(out.dtype))
     return out
 

@@ -26,6 +26,7 @@ from shoal.distributed.parallel_state import get_tp_group
 from shoal.layers.activation import silu_and_mul
 from shoal.layers.quantization.base import LinearMethod, UnquantizedLinearMethod
 from shoal.layers.quantization.fp8 import Fp8LinearMethod
+from shoal.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from shoal.layers.quantization.fp8_config import Fp8Config
 from shoal.layers.weight_utils import (
     LoadedWeight,
@@ -50,6 +51,8 @@ def get_linear_method(quant_config: Fp8Config | None, prefix: str) -> LinearMeth
     "model.layers.0.mlp.down_proj") under `quant_config`."""
     if quant_config is None or quant_config.is_layer_skipped(prefix):
         return UnquantizedLinearMethod()
+    if quant_config.is_block_wise:
+        return Fp8BlockLinearMethod(quant_config)
     return Fp8LinearMethod(quant_config)
 
 
@@ -70,6 +73,7 @@ class LinearBase(nn.Module):
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.input_size, self.output_size = input_size, output_size
+        self.prefix = prefix
         self.linear_method = get_linear_method(quant_config, prefix)
         self.linear_method.create_weights(self, weight_loader)
         self.bias = new_parameter(output_size, weight_loader=weight_loader) if bias else None
@@ -78,8 +82,34 @@ class LinearBase(nn.Module):
         """Rows of the checkpoint tensor that `weight_loader(param, loaded[, shard_id])` takes."""
         return self.output_size
 
+    # Where this rank's shard lies, for loaders that split a checkpoint tensor in other units
+    # than rows and columns (block-wise fp8 scales); the weight loaders below cut the same shards.
+
+    def output_shard_ids(self) -> tuple[str | int | None, ...]:
+        """The shard ids of the checkpoint tensors fused into this layer's rows (None: one tensor)."""
+        return (None,)
+
+    def output_shard(self, shard_id: str | int | None = None) -> tuple[int, int, int]:
+        """(first row in the checkpoint tensor, first row in this rank's weight, number of rows)
+        of this rank's part of checkpoint tensor `shard_id`."""
+        return 0, 0, self.output_size
+
+    def input_shard(self) -> tuple[int, int]:
+        """(first column in the checkpoint tensor, number of columns) of this rank's weight."""
+        return 0, self.input_size
+
+    def checkpoint_input_size(self) -> int:
+        return self.input_size
+
     def process_weights_after_loading(self) -> None:
         self.linear_method.process_weights_after_loading(self)
+
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
+        """Compile the linear method's GPU kernels ahead of a run, where it has any to compile
+        per batch size (block-wise fp8); nothing otherwise."""
+        warm_up = getattr(self.linear_method, "warm_up_kernels", None)
+        if warm_up is not None:
+            warm_up(self, max_num_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
@@ -118,6 +148,9 @@ class ColumnParallelLinear(LinearBase):
     def checkpoint_output_size(self, shard_id: str | int | None = None) -> int:
         return self.output_size * self.tp_size
 
+    def output_shard(self, shard_id: str | int | None = None) -> tuple[int, int, int]:
+        return self.tp_rank * self.output_size, 0, self.output_size
+
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         shard_size = param.shape[0]
         copy_weight(param.data, narrow_weight(loaded, 0, self.tp_rank * shard_size, shard_size))
@@ -146,6 +179,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def checkpoint_output_size(self, shard_id: str | int | None = None) -> int:
         return sum(self.output_sizes) if shard_id is None else self.output_sizes[int(shard_id)]
+
+    def output_shard_ids(self) -> tuple[str | int | None, ...]:
+        return tuple(range(len(self.output_sizes)))
+
+    def output_shard(self, shard_id: str | int | None = None) -> tuple[int, int, int]:
+        if shard_id is None:
+            raise ValueError("a fused layer's shard needs its shard id")
+        shard_size = self.output_sizes[int(shard_id)] // self.tp_size
+        offset = sum(self.output_sizes[: int(shard_id)]) // self.tp_size
+        return self.tp_rank * shard_size, offset, shard_size
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: int | None = None) -> None:
         if shard_id is None:  # a checkpoint that stores the fused tensor
@@ -207,6 +250,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         sizes: dict[str | int | None, int] = {None: q_total + 2 * kv_total, "q": q_total, "k": kv_total, "v": kv_total}
         return sizes[shard_id]
 
+    def output_shard_ids(self) -> tuple[str | int | None, ...]:
+        return ("q", "k", "v")
+
+    def output_shard(self, shard_id: str | int | None = None) -> tuple[int, int, int]:
+        if shard_id == "q":
+            return self.tp_rank * self.q_size, 0, self.q_size
+        if shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            return (self.tp_rank // self.num_kv_head_replicas) * self.kv_size, offset, self.kv_size
+        raise ValueError(f"unknown QKV shard id {shard_id!r}")
+
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str | None = None) -> None:
         if shard_id is None:  # a checkpoint that stores the fused tensor
             q_total = self.total_num_heads * self.head_size
@@ -253,6 +307,12 @@ class RowParallelLinear(LinearBase):
         )
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
+
+    def input_shard(self) -> tuple[int, int]:
+        return self.tp_rank * self.input_size, self.input_size
+
+    def checkpoint_input_size(self) -> int:
+        return self.input_size * self.tp_size
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         if len(weight_shape(loaded)) == 1:  # the bias is not split

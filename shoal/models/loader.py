@@ -23,12 +23,16 @@ from safetensors import safe_open
 from torch import nn
 
 from shoal.config import ModelConfig, ParallelConfig
+from shoal.kernels.scaled_fp8_quant import FP8_DTYPE, FP8_MAX
 from shoal.layers.quantization.fp8_config import Fp8Config
 from shoal.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
 
 DUMMY_WEIGHT_RANGE = 1e-3
+DUMMY_INPUT_AMAX = 16.0  # static fp8 activation scales of dummy weights: activations up to this
+# The fp8 weight scales: per tensor or channel ("weight_scale"), per block ("weight_scale_inv").
+_WEIGHT_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 
 
 def get_model(
@@ -125,9 +129,22 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Every parameter uniform in [-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE], reproducible for a
     given seed and device type. Drawn where the parameter lives: on a GPU an 8B model takes a
-    second instead of half a minute on the CPU."""
+    second instead of half a minute on the CPU.
+
+    fp8 checkpoints' tensors get values of the same effect: fp8 weights uniform over the whole
+    e4m3 range and their scales DUMMY_WEIGHT_RANGE / 448 (so the dequantized weights again lie
+    in [-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE], not rounded to zero by e4m3's few small
+    values), and static activation scales that fit activations of magnitude up to DUMMY_INPUT_AMAX."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    for _, param in sorted(model.named_parameters()):
+    for name, param in sorted(model.named_parameters()):
         values = torch.empty(param.shape, dtype=torch.float32, device=device)
-        param.data.copy_(values.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator))
+        if name.endswith(_WEIGHT_SCALE_SUFFIXES):
+            values.fill_(DUMMY_WEIGHT_RANGE / FP8_MAX)  # positive: a scale multiplies
+        elif name.endswith(".input_scale"):
+            values.fill_(DUMMY_INPUT_AMAX / FP8_MAX)
+        elif param.dtype == FP8_DTYPE:
+            values.uniform_(-FP8_MAX, FP8_MAX, generator=generator)
+        else:
+            values.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+        param.data.copy_(values)

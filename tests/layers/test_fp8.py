@@ -258,7 +258,7 @@ def test_fp8_config_from_checkpoint(quantization_config, expected):
     "quantization_config,message",
     [
         ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise fp8"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "block-wise fp8"),
         ({"quant_method": "fp8", "activation_scheme": "per-channel"}, "activation_scheme"),
         (_compressed_tensors({**FP8_WEIGHTS, "type": "int"}, None), "weights"),
         (_compressed_tensors({**FP8_WEIGHTS, "strategy": "block"}, None), "weights"),

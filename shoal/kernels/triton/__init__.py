@@ -41,11 +41,14 @@ def register_triton_kernels() -> bool:
         return False
     from shoal.kernels.dispatch import register_kernel
     from shoal.kernels.triton.fused_moe import triton_fused_moe
+    from shoal.kernels.triton.fused_moe_block_fp8 import triton_fused_moe_block_fp8
     from shoal.kernels.triton.gemv import triton_gemv
     from shoal.kernels.triton.mla_decode import triton_concat_and_cache_mla, triton_mla_decode
     from shoal.kernels.triton.paged_attention import triton_paged_attention
+    from shoal.kernels.triton.per_token_group_quant_fp8 import triton_per_token_group_quant_fp8
     from shoal.kernels.triton.rope_and_cache import triton_rope_and_cache
     from shoal.kernels.triton.sampling import triton_gumbel_sample
+    from shoal.kernels.triton.w8a8_block_fp8_matmul import triton_w8a8_block_fp8_matmul
 
     register_kernel("paged_attention", triton_paged_attention)
     register_kernel("gumbel_sample", triton_gumbel_sample)
@@ -54,4 +57,7 @@ def register_triton_kernels() -> bool:
     register_kernel("fused_moe", triton_fused_moe)
     register_kernel("mla_decode", triton_mla_decode)
     register_kernel("concat_and_cache_mla", triton_concat_and_cache_mla)
+    register_kernel("per_token_group_quant_fp8", triton_per_token_group_quant_fp8)
+    register_kernel("w8a8_block_fp8_matmul", triton_w8a8_block_fp8_matmul)
+    register_kernel("fused_moe_block_fp8", triton_fused_moe_block_fp8)
     return True

@@ -30,8 +30,9 @@ with shard id "w1", "w3" or "w2" and the expert's id; or the stacked tensors tha
 and no expert id. `expert_checkpoint_target` maps a checkpoint name to its parameter.
 
 How the weights are stored and multiplied is the layer's `moe_method` (the linear layers'
-`linear_method` pattern): `UnquantizedMoEMethod` here; a quantized method (block fp8) adds its
-scale parameters with the same `weight_loader` signature and its own `apply`.
+`linear_method` pattern): `UnquantizedMoEMethod` here; block-wise fp8
+(shoal/layers/quantization/fp8_block_moe.py) adds its block scales, loaded by
+`block_scale_loader`: the same cuts of the intermediate dimension, counted in blocks.
 """
 
 from __future__ import annotations
@@ -113,6 +114,16 @@ class ExpertPlacement:
     def intermediate_rows(self) -> slice:
         return slice(self.intermediate_start, self.intermediate_start + self.intermediate_per_rank)
 
+    def intermediate_cut(self, unit: int = 1) -> IntermediateCut:
+        """This rank's slice of the intermediate dimension in units of `unit` rows (a block of
+        block-wise scales; the caller checks that the cut falls on whole units, a short last
+        unit allowed)."""
+        return IntermediateCut(
+            self.intermediate_start // unit,
+            -(-self.intermediate_per_rank // unit),
+            -(-self.intermediate_size // unit),
+        )
+
     @property
     def local_experts(self) -> slice:
         return slice(self.first_expert, self.first_expert + self.num_local_experts)
@@ -127,6 +138,20 @@ class ExpertPlacement:
         expert_map = torch.full((self.num_experts,), -1, dtype=torch.int32)
         expert_map[self.local_experts] = torch.arange(self.num_local_experts, dtype=torch.int32)
         return expert_map
+
+
+@dataclass(frozen=True)
+class IntermediateCut:
+    """This rank's part [start, start + length) of an expert's intermediate dimension of
+    `total`, in rows of the weights or in blocks of their scales."""
+
+    start: int
+    length: int
+    total: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
 
 
 class MoEMethod(Protocol):
@@ -166,6 +191,10 @@ def get_moe_method(quant_config: Fp8Config | None, prefix: str) -> MoEMethod:
     """The MoE method of the experts named `prefix` under `quant_config`."""
     if quant_config is None or quant_config.is_layer_skipped(prefix):
         return UnquantizedMoEMethod()
+    if quant_config.is_block_wise:
+        from shoal.layers.quantization.fp8_block_moe import Fp8BlockMoEMethod
+
+        return Fp8BlockMoEMethod(quant_config, prefix)
     raise ValueError(
         f"quantization {quant_config!r} is not supported for the experts of mixture-of-experts layers ({prefix})"
     )
@@ -232,39 +261,75 @@ class FusedMoE(nn.Module):
         """Copy this rank's part of a checkpoint tensor: one expert's projection ("w1" gate,
         "w3" up, "w2" down, or "w13" gate and up stacked) when `expert_id` is given, else every
         expert stacked ("w13" [E, 2I, H], "w2" [E, H, I]). Another rank's expert is skipped."""
+        cut = self.placement.intermediate_cut()
+        self._load(param, loaded, shard_id, expert_id, cut, cut)
+
+    def block_scale_loader(self, block_n: int, block_k: int) -> Callable[..., None]:
+        """`weight_loader` for block scales: w13's [.., 2I / block_n, H / block_k] cut along its
+        rows in blocks of block_n, w2's [.., H / block_n, I / block_k] along its columns in
+        blocks of block_k."""
+        p = self.placement
+
+        def load(param: nn.Parameter, loaded: LoadedWeight, shard_id: str, expert_id: int | None = None) -> None:
+            self._load(param, loaded, shard_id, expert_id, p.intermediate_cut(block_n), p.intermediate_cut(block_k))
+
+        return load
+
+    def _load(
+        self,
+        param: nn.Parameter,
+        loaded: LoadedWeight,
+        shard_id: str,
+        expert_id: int | None,
+        w13_cut: IntermediateCut,
+        w2_cut: IntermediateCut,
+    ) -> None:
         if expert_id is None:
-            self._load_stacked(param, loaded, shard_id)
+            self._load_stacked(param, loaded, shard_id, w13_cut, w2_cut)
             return
         local = self.placement.local_index(expert_id)
         if local is not None:
-            self._load_expert(param.data[local], loaded, shard_id)
+            self._load_expert(param.data[local], loaded, shard_id, w13_cut, w2_cut)
 
-    def _load_expert(self, target: torch.Tensor, loaded: LoadedWeight, shard_id: str) -> None:
-        """target: this rank's w13 [2 * I_rank, H] or w2 [H, I_rank] of one expert."""
-        p = self.placement
-        rows = p.intermediate_rows
+    def _load_expert(
+        self,
+        target: torch.Tensor,
+        loaded: LoadedWeight,
+        shard_id: str,
+        w13_cut: IntermediateCut,
+        w2_cut: IntermediateCut,
+    ) -> None:
+        """target: this rank's w13 [2 * I_rank, H] or w2 [H, I_rank] of one expert (I in the
+        cuts' units)."""
         if shard_id in ("w1", "w3"):
-            offset = 0 if shard_id == "w1" else p.intermediate_per_rank
-            copy_weight(target.narrow(0, offset, p.intermediate_per_rank), _read(loaded, rows))
+            offset = 0 if shard_id == "w1" else w13_cut.length
+            copy_weight(target.narrow(0, offset, w13_cut.length), _read(loaded, w13_cut.rows))
         elif shard_id == "w2":
-            copy_weight(target, narrow_weight(loaded, 1, rows.start, p.intermediate_per_rank))
+            copy_weight(target, narrow_weight(loaded, 1, w2_cut.start, w2_cut.length))
         elif shard_id == "w13":
-            size = p.intermediate_size
-            self._load_expert(target, narrow_weight(loaded, 0, 0, size), "w1")
-            self._load_expert(target, narrow_weight(loaded, 0, size, size), "w3")
+            size = w13_cut.total
+            self._load_expert(target, narrow_weight(loaded, 0, 0, size), "w1", w13_cut, w2_cut)
+            self._load_expert(target, narrow_weight(loaded, 0, size, size), "w3", w13_cut, w2_cut)
         else:
             raise ValueError(f"unknown expert shard id {shard_id!r}")
 
-    def _load_stacked(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str) -> None:
+    def _load_stacked(
+        self,
+        param: nn.Parameter,
+        loaded: LoadedWeight,
+        shard_id: str,
+        w13_cut: IntermediateCut,
+        w2_cut: IntermediateCut,
+    ) -> None:
         """Every local expert from a stacked tensor, reading only this rank's experts and rows."""
-        p = self.placement
-        experts, rows, size = p.local_experts, p.intermediate_rows, p.intermediate_size
+        experts = self.placement.local_experts
         if shard_id == "w13":
+            rows, size = w13_cut.rows, w13_cut.total
             up_rows = slice(size + rows.start, size + rows.stop)
             gate_up = torch.cat([_read(loaded, experts, rows), _read(loaded, experts, up_rows)], dim=1)
             copy_weight(param.data, gate_up)  # [num_local_experts, 2 * I_rank, H]
         elif shard_id == "w2":
-            copy_weight(param.data, _read(loaded, experts, slice(None), rows))
+            copy_weight(param.data, _read(loaded, experts, slice(None), w2_cut.rows))
         else:
             raise ValueError(f"unknown stacked expert shard id {shard_id!r}")
 
@@ -274,6 +339,10 @@ class FusedMoE(nn.Module):
         `max_num_tokens` tokens can pick (see shoal/kernels/triton/fused_moe.py), so that no step
         of a run compiles one. Nothing on CPU."""
         if self.w13_weight.device.type != "cuda":
+            return
+        warm_up = getattr(self.moe_method, "warm_up_kernels", None)
+        if warm_up is not None:  # a quantized method compiles its own kernels
+            warm_up(self, max_num_tokens)
             return
         from shoal.kernels.fused_moe import warm_up_fused_moe
 

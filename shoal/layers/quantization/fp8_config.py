@@ -5,8 +5,7 @@ shoal/config.py can reject a checkpoint shoal cannot run before anything is load
 Two checkpoint formats store fp8 weights with one scale per tensor or per output channel:
 
 - `quant_method: "fp8"` (vLLM's and AutoFP8's format): `activation_scheme` "dynamic" or
-  "static", and `ignored_layers` (or Hugging Face's `modules_to_not_convert`). The block-wise
-  variant (`weight_block_size`, DeepSeek-V3's scheme) is not supported.
+  "static", and `ignored_layers` (or Hugging Face's `modules_to_not_convert`).
 - `quant_method: "compressed-tensors"` (llm-compressor's FP8 and FP8_DYNAMIC schemes):
   `config_groups` targeting `Linear` whose weights are symmetric 8-bit floats per tensor or per
   channel and whose input activations are dynamic, static per tensor, or absent; `ignore`.
@@ -14,6 +13,12 @@ Two checkpoint formats store fp8 weights with one scale per tensor or per output
 Either way a quantized layer's tensors are `weight` (float8_e4m3fn [out, in]), `weight_scale`
 (a scalar per tensor, or [out] / [out, 1] per channel) and, for static activations,
 `input_scale` (a scalar). Layers listed as ignored are stored in float and stay float.
+
+The block-wise variant of the "fp8" format (DeepSeek-V3's): `weight_block_size: [block_n,
+block_k]` (128 x 128 in the published checkpoints), `activation_scheme: "dynamic"`, `fmt: "e4m3"`.
+A layer's tensors are `weight` (float8_e4m3fn [out, in]) and `weight_scale_inv` (float32
+[ceil(out / block_n), ceil(in / block_k)], the factor that dequantizes each block); activations
+are quantized per token and group of block_k at run time (shoal/layers/quantization/fp8_block.py).
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ class Fp8Config:
     is_checkpoint_fp8: bool = False
     activation_scheme: str = "dynamic"
     ignored_layers: tuple[str, ...] = ()
+    weight_block_size: tuple[int, int] | None = None  # (block_n, block_k): block-wise weight scales
+
+    @property
+    def is_block_wise(self) -> bool:
+        return self.weight_block_size is not None
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> Fp8Config:
@@ -117,16 +127,32 @@ def checkpoint_layer_names(prefix: str) -> list[str]:
 
 
 def _from_fp8_format(config: dict[str, Any]) -> Fp8Config:
-    if config.get("weight_block_size"):
-        raise ValueError(
-            f"block-wise fp8 (weight_block_size={config['weight_block_size']}) is not supported; "
-            "shoal runs fp8 checkpoints with per-tensor or per-channel weight scales"
-        )
     scheme = config.get("activation_scheme", "dynamic")
     if scheme not in ACTIVATION_SCHEMES:
         raise ValueError(f"fp8 activation_scheme must be one of {ACTIVATION_SCHEMES}, got {scheme!r}")
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"fp8 fmt {fmt!r} is not supported (only e4m3)")
     ignored = [*(config.get("ignored_layers") or ()), *(config.get("modules_to_not_convert") or ())]
-    return Fp8Config(is_checkpoint_fp8=True, activation_scheme=scheme, ignored_layers=tuple(ignored))
+    block_size = _weight_block_size(config.get("weight_block_size"))
+    if block_size is not None and scheme != "dynamic":
+        raise ValueError("block-wise fp8 (weight_block_size) needs activation_scheme 'dynamic'")
+    return Fp8Config(
+        is_checkpoint_fp8=True, activation_scheme=scheme, ignored_layers=tuple(ignored), weight_block_size=block_size
+    )
+
+
+def _weight_block_size(value: Any) -> tuple[int, int] | None:
+    """`weight_block_size` as (block_n, block_k): two positive integers, or None when absent."""
+    if value is None:
+        return None
+    if not (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise ValueError(f"fp8 weight_block_size must be two positive integers [block_n, block_k], got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def _from_compressed_tensors(config: dict[str, Any]) -> Fp8Config:
