@@ -1,8 +1,8 @@
 """Soak: 64 concurrent streams against the shared demo-model server for `SHOAL_SOAK_SECONDS`
-(15 s by default, after a warm-up round that touches the KV cache's pages; the `slow` variant runs 300 s): random client cancellations mid-stream, mixed
-lengths, n > 1, unicode stop strings and a shared prompt prefix. Zero errors, zero KV blocks in
-use at the end, and the RSS of the frontend and the engine-core process flat within 10% (from
-the end of a warm-up round to the end)."""
+(15 s by default, after a warm-up round that touches the KV cache's pages; the `slow` variant
+runs 300 s): random client cancellations mid-stream, mixed lengths, n > 1, unicode stop strings
+and a shared prompt prefix. Zero errors, zero KV blocks in use at the end, and the RSS of the
+frontend and the engine-core process flat within 10% from the warm-up's end to the end."""
 
 from __future__ import annotations
 
