@@ -118,6 +118,26 @@ def add_serve_parser(subparsers: Any) -> None:
         action="store_true",
         help="add the RL rollout routes: /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused",
     )
+    limits = parser.add_argument_group("overload limits (docs/serving_limits.md)")
+    limits.add_argument(
+        "--max-num-waiting-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait beyond --max-num-seqs before new requests get a 429 "
+        "(default: as many as the KV cache holds at a quarter of --max-model-len each)",
+    )
+    limits.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take before it is aborted with a 503 (default: no limit)",
+    )
+    limits.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a stream's client may stop reading before its request is aborted (0: no limit)",
+    )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
         "--tool-call-parser",
@@ -158,6 +178,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
         enable_rl_endpoints=args.enable_rl_endpoints,
+        limits=serving_limits_from(args, parser),
         chat=ChatOptions(
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -179,6 +200,22 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         logger.error("%s", exc)
         return 1
     return 0
+
+
+def serving_limits_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    from shoal.entrypoints.openai.serving_limits import ServingLimits
+
+    if args.max_num_waiting_requests is not None and args.max_num_waiting_requests < 0:
+        parser.error("--max-num-waiting-requests must be >= 0")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        parser.error("--request-timeout must be > 0")
+    if args.stream_stall_timeout < 0:
+        parser.error("--stream-stall-timeout must be >= 0")
+    return ServingLimits(
+        max_num_waiting_requests=args.max_num_waiting_requests,
+        request_timeout_s=args.request_timeout,
+        stream_stall_timeout_s=args.stream_stall_timeout or None,
+    )
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

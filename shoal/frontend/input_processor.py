@@ -74,6 +74,9 @@ class InputProcessor:
         vocabulary, a structured-output spec its grammar library can build (cached: checking
         the same spec again costs nothing)."""
         vocab_size = self.model_config.vocab_size
+        bad_stop = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+        if bad_stop is not None:
+            raise ValueError(f"SamplingParams.stop_token_ids id {bad_stop} is out of the vocabulary [0, {vocab_size})")
         if params.logit_bias:
             bad = next((t for t in params.logit_bias if t >= vocab_size), None)
             if bad is not None:

@@ -1,6 +1,5 @@
 """The shared demo-model server under load and abuse: 64 concurrent streams, clients that leave
-mid-request, and bad requests, each answered with a 4xx OpenAI error body and no effect on the
-next request. KV-block leaks are checked through `/metrics` (`shoal:num_used_kv_blocks`)."""
+mid-request, and typed client errors (the table of bad inputs is test_bad_inputs.py). KV-block leaks are checked through `/metrics` (`shoal:num_used_kv_blocks`)."""
 
 from __future__ import annotations
 
@@ -92,71 +91,6 @@ def test_client_disconnect_while_waiting_for_a_full_response_aborts_it(server: S
 
 
 CONVERSATION = [{"role": "user", "content": "Hi"}]
-BAD_REQUESTS = [
-    # (method, path, JSON body or raw bytes, status, text in the message)
-    ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 5', 400, "not valid JSON"),
-    ("POST", "/v1/completions", b"not json at all", 400, "not valid JSON"),
-    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": "five"}, 400, "max_tokens"),
-    ("POST", "/v1/completions", {"prompt": 5}, 400, "prompt"),
-    ("POST", "/v1/completions", {"max_tokens": 5}, 400, "prompt"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
-    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": -1, "stream": True}, 400, "max_tokens"),
-    ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1.0}, 400, "temperature"),
-    ("POST", "/v1/completions", {"prompt": "hi", "top_p": 0.0}, 400, "top_p"),
-    ("POST", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
-    ("POST", "/v1/completions", {"prompt": "hi", "n": 129}, 400, "n"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 500.0}}, 400, "logit_bias values"),
-    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
-    ("POST", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("POST", "/v1/completions", {"prompt": []}, 400, "empty"),
-    ("POST", "/v1/completions", {"prompt": [[1, 2], []]}, 400, "empty"),
-    ("POST", "/v1/completions", {"prompt": [1, 10**9]}, 400, "vocabulary"),
-    ("POST", "/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
-    ("POST", "/v1/completions", {"prompt": "hi " * 1200, "max_tokens": 4}, 400, "maximum context length"),
-    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": DEMO_MAX_MODEL_LEN}, 400, "maximum context length"),
-    ("POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("POST", "/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
-    ("POST", "/v1/chat/completions", {"messages": CONVERSATION, "top_logprobs": 2}, 400, "logprobs"),
-    ("POST", "/v1/chat/completions", {"messages": CONVERSATION, "max_tokens": 0}, 400, "max_tokens"),
-    ("POST", "/v1/chat/completions", {"messages": CONVERSATION, "model": "gpt-4o"}, 404, "does not exist"),
-    (
-        "POST",
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi " * 1200}]},
-        400,
-        "maximum context length",
-    ),
-    (
-        "POST",
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        400,
-        "text",
-    ),
-    ("POST", "/tokenize", {}, 400, "prompt"),
-    ("POST", "/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
-    ("POST", "/v1/no-such-route", {}, 404, "Not found"),
-    ("GET", "/v1/completions", None, 405, ""),
-]
-
-
-@pytest.mark.parametrize(("method", "path", "body", "status", "message"), BAD_REQUESTS)
-def test_bad_request_gets_an_openai_error_and_changes_nothing(
-    server: ServerProcess, method: str, path: str, body: Any, status: int, message: str
-) -> None:
-    kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
-    if isinstance(body, bytes):
-        kwargs["headers"] = {"Content-Type": "application/json"}
-    response = httpx.request(method, f"{server.url}{path}", timeout=60, **(kwargs if body is not None else {}))
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert message in error["message"], error
-    # The next request is served as if nothing happened.
-    good = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
-    assert good.status_code == 200, good.text
-    assert good.json()["usage"]["completion_tokens"] == 2
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI, server: ServerProcess) -> None:

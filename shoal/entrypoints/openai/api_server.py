@@ -20,9 +20,9 @@ import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Path, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
@@ -31,9 +31,19 @@ from shoal import envs
 from shoal.entrypoints.openai.errors import bad_request, engine_dead, install_exception_handlers
 from shoal.entrypoints.openai.metrics import ServerMetrics
 from shoal.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from shoal.entrypoints.openai.openapi import (
+    GENERATE_ERRORS,
+    READ_ERRORS,
+    TOKENIZER_ERRORS,
+    error_responses,
+    install_openapi,
+    json_or_stream,
+)
 from shoal.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -41,8 +51,10 @@ from shoal.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from shoal.entrypoints.openai.serving import make_admission
 from shoal.entrypoints.openai.serving_chat import ChatOptions, OpenAIServingChat
 from shoal.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from shoal.entrypoints.openai.serving_limits import ServingLimits
 from shoal.entrypoints.openai.stats_logger import StatsLogger
 from shoal.errors import EngineDeadError
 
@@ -74,6 +86,8 @@ class ServerArgs:
     enable_rl_endpoints: bool = False
     # Chat outputs: tool calls and reasoning (see serving_chat.ChatOptions).
     chat: ChatOptions = dataclasses.field(default_factory=ChatOptions)
+    # Overload: waiting requests, request and stream-stall timeouts (serving_limits.py).
+    limits: ServingLimits = dataclasses.field(default_factory=ServingLimits)
 
 
 @dataclass
@@ -111,14 +125,16 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
                 engine.shutdown()
 
     app = FastAPI(title="shoal", version=shoal.__version__, lifespan=lifespan)
+    admission = make_admission(engine, args.limits)
     app.state.shoal = ServerState(
         engine=engine,
         args=args,
-        completion=OpenAIServingCompletion(engine, tokenizer_thread),
-        chat=OpenAIServingChat(engine, tokenizer_thread, args.chat),
+        completion=OpenAIServingCompletion(engine, tokenizer_thread, args.limits, admission),
+        chat=OpenAIServingChat(engine, tokenizer_thread, args.chat, args.limits, admission),
         metrics=metrics,
         stats_logger=stats_logger,
     )
+    install_openapi(app, engine.config.model_config)
     app.include_router(router)
     if envs.SHOAL_TORCH_PROFILER_DIR:  # as vLLM: the profiler routes exist only when asked for
         app.include_router(profiler_router)
@@ -147,7 +163,11 @@ def _alive_engine(request: Request) -> AsyncLLM:
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "The engine is alive (an empty body)"}, **error_responses(503)},
+)
 async def health(request: Request) -> Response:
     engine = _state(request).engine
     try:
@@ -159,7 +179,13 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {"description": "Prometheus metrics", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+    },
+)
 async def metrics(request: Request) -> Response:
     state = _state(request)
     if not state.engine.errored:
@@ -173,13 +199,13 @@ async def version(request: Request) -> dict[str, Any]:
     return {"version": shoal.__version__, "engine_core_pid": getattr(_state(request).engine, "engine_core_pid", None)}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses(*READ_ERRORS))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_model_card(request)])
 
 
-@router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, request: Request) -> ModelCard:
+@router.get("/v1/models/{model:path}", responses=error_responses(*READ_ERRORS, 400, 404))
+async def retrieve_model(model: Annotated[str, Path(min_length=1, max_length=1024)], request: Request) -> ModelCard:
     _state(request).completion.check_model(model)
     return _model_card(request)
 
@@ -191,19 +217,27 @@ def _model_card(request: Request) -> ModelCard:
     )
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={**json_or_stream(CompletionResponse), **error_responses(*GENERATE_ERRORS)},
+)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     _alive_engine(request)
     return await _state(request).completion.create_completion(body, request)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={**json_or_stream(ChatCompletionResponse), **error_responses(*GENERATE_ERRORS)},
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     _alive_engine(request)
     return await _state(request).chat.create_chat_completion(body, request)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=error_responses(*TOKENIZER_ERRORS))
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = _state(request)
     state.completion.check_model(body.model)
@@ -223,7 +257,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     )
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=error_responses(*TOKENIZER_ERRORS))
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     serving = _state(request).completion
     serving.check_model(body.model)
@@ -235,7 +269,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     return DetokenizeResponse(prompt=await serving.in_tokenizer_thread(serving.tokenizer.decode, body.tokens))
 
 
-@router.get("/tokenizer_info")
+@router.get("/tokenizer_info", responses=error_responses(*READ_ERRORS, 400))
 async def tokenizer_info(request: Request) -> dict[str, Any]:
     """The tokenizer's configuration (what its tokenizer_config.json holds), with its class
     and chat template, as vLLM's route answers it."""

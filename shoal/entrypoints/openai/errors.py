@@ -2,14 +2,18 @@
 
 Status codes: 400 bad values (also request-validation errors from pydantic: wrong JSON types,
 missing fields, malformed JSON, as OpenAI answers them; never 422), 401 bad or missing API key,
-404 unknown model or route, 405 wrong method, 413 body too large, 500 a bug, 503 the engine is
-dead. A `ValueError` from shoal's frontend (bad sampling values, a bad prompt) is a 400.
+404 unknown model or route, 405 wrong method (with Starlette's `Allow` header), 413 body too
+large, 429 too many requests waiting (with `Retry-After`), 500 a bug, 503 the engine is dead or
+a request ran past `--request-timeout` (with `Retry-After`). A `ValueError` from shoal's
+frontend (bad sampling values, a bad prompt) is a 400.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,16 +40,18 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=self.info).model_dump()
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -75,6 +81,20 @@ def unauthorized() -> APIError:
 def body_too_large(limit_bytes: int) -> APIError:
     message = f"The request body is larger than the limit of {limit_bytes} bytes."
     return APIError(413, message, code="request_too_large")
+
+
+def too_many_waiting(limit: int, retry_after_s: float) -> APIError:
+    """429, as OpenAI answers a rate limit: the client may retry after `Retry-After` seconds."""
+    message = f"The server has {limit} requests waiting already (--max-num-waiting-requests); retry later."
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    return APIError(429, message, "rate_limit_error", code="too_many_waiting_requests", headers=headers)
+
+
+def request_timed_out(timeout_s: float, retry_after_s: float) -> APIError:
+    """503: the server could not finish the request within `--request-timeout` (it was aborted)."""
+    message = f"The request did not finish within the server's request timeout of {timeout_s:g} s; it was aborted."
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    return APIError(503, message, "server_error", code="request_timeout", headers=headers)
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -123,7 +143,8 @@ def install_exception_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, message, code=code).to_response()
+        # Starlette's headers (a 405's `Allow`) stay on the answer.
+        return APIError(exc.status_code, message, code=code, headers=exc.headers).to_response()
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from shoal.sampling_params import SamplingParams, StructuredOutputsParams
+from shoal.entrypoints.openai.json_limits import check_json_value
+from shoal.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -29,10 +30,86 @@ def now() -> int:
 
 # The most completions one request may ask for (OpenAI's limit).
 MAX_N = 128
+# Integers have bounds: token ids and counts 32-bit, seeds what JSON carries exactly.
+INT32_MAX = 2**31 - 1
+# The largest integer every JSON parser reads exactly (JavaScript's Number.MAX_SAFE_INTEGER).
+MAX_SAFE_INTEGER = 2**53 - 1
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: `2.0` is the integer 2 (as JSON Schema's "integer" says)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**constraints: Any) -> Any:
+    """An integer field: strict (no "5"), but an integral JSON number such as 2.0 is accepted;
+    `constraints` as `Field` takes them."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
+
+
+# The constrained types the schema states and pydantic enforces (each a 400 when broken).
+# `x-shoal-bound`: the schema's maximum comes from the served model (openapi.py): its vocabulary
+# size for token ids, its context for max_tokens.
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenId = integer(ge=0, le=INT32_MAX, json_schema_extra={"x-shoal-bound": "vocab"})
+Count = integer(ge=0, le=INT32_MAX)
+MaxTokens = integer(ge=0, le=INT32_MAX, json_schema_extra={"x-shoal-bound": "context"})
+PositiveMaxTokens = integer(ge=1, le=INT32_MAX, json_schema_extra={"x-shoal-bound": "context"})
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
 
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _as_dicts(models: list[BaseModel]) -> list[dict[str, Any]]:
+    return [model.model_dump(exclude_unset=True) for model in models]
+
+
+class FunctionParam(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: NonEmptyText
+    description: str | None = None
+    # A JSON schema of the arguments.
+    parameters: dict[str, Any] | None = None
+
+
+class ToolParam(RequestModel):
+    """One of OpenAI's function tools. Validated as this model, then kept as the dict the client
+    sent (chat templates render tools as they come)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionParam
+
+
+# Tools arrive as `ToolParam`s and are kept as dicts (see ToolParam).
+Tools = Annotated[list[ToolParam], AfterValidator(_as_dicts)]
+
+
+class NamedFunction(RequestModel):
+    name: NonEmptyText
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class RequestBody(RequestModel):
+    """A whole request body: before any field is read, it must be JSON of a bounded depth whose
+    text can become UTF-8 (`json_limits.py`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_json(cls, data: Any) -> Any:
+        check_json_value(data)
+        return data
 
 
 class StreamOptions(RequestModel):
@@ -41,46 +118,93 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(RequestModel):
-    """The sampling fields /v1/completions and /v1/chat/completions share."""
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str | None = None
+    # The JSON schema the output must match (any object: {"type": "object"} when left out).
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class StructuredOutputsSpec(RequestModel):
+    """vLLM's structured_outputs object (sampling_extensions.py turns it into the constraint)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
+StructuredOutputsRequest = Annotated[
+    StructuredOutputsSpec, AfterValidator(lambda spec: spec.model_dump(exclude_unset=True, by_alias=True))
+]
+
+
+# OpenAI's response_format, validated as one of its three forms and kept as the dict it was.
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat,
+    Field(discriminator="type"),
+    AfterValidator(lambda fmt: fmt.model_dump(exclude_unset=True, by_alias=True)),
+]
+
+
+class SamplingRequest(RequestBody):
+    """The sampling fields /v1/completions and /v1/chat/completions share, with the ranges
+    `SamplingParams` enforces (so that the schema says them)."""
 
     model: str | None = None
-    n: int = Field(default=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: integer(ge=1, le=MAX_N) = 1  # type: ignore[valid-type]
+    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: integer(ge=0, le=MAX_SAFE_INTEGER) | None = None  # type: ignore[valid-type]
+    stop: NonEmptyText | list[NonEmptyText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # shoal's extras, as vLLM names them.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: integer(ge=-1, le=INT32_MAX) | None = None  # type: ignore[valid-type]
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    min_tokens: Count = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     # Token id (as a string) -> bias in [-100, 100].
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[TokenIdKey, LogitBias] | None = None
     # Structured output: OpenAI's response_format ({"type": "text" | "json_object" |
     # "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's structured_outputs
     # object ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and its older
     # guided_* fields; at most one of them (see sampling_extensions.py).
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     # Accepted and ignored: shoal has one grammar library.
     guided_decoding_backend: str | None = None
-    # Accepted on /v1/chat/completions only (serving_chat.py refuses them elsewhere).
-    tools: list[dict[str, Any]] | None = None
 
     def to_sampling_params(
         self,
@@ -126,11 +250,34 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    # Text, several texts, token ids, or several lists of token ids; none of them empty.
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    # 0 scores the prompt (nothing is generated).
+    max_tokens: MaxTokens | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None
     add_special_tokens: bool = True
+
+    # Tools are for /v1/chat/completions: the schema says no `tools` here, and a body with them is a 400.
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        json_schema_extra=lambda schema: schema["properties"].update(  # type: ignore[union-attr]
+            tools={"not": {}, "description": "only for /v1/chat/completions"}
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tools" in data:
+            raise ValueError("tools are only for /v1/chat/completions")
+        return data
 
 
 class CompletionLogprobs(BaseModel):
@@ -166,19 +313,55 @@ class CompletionResponse(BaseModel):
 # ---- /v1/chat/completions ----------------------------------------------------------------------
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(RequestModel):
+    """One message of a conversation. Keys beyond these (name, tool_calls, tool_call_id, ...)
+    are kept: chat templates read whatever they need."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: ChatRole
+    content: str | list[TextContentPart] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
+
+
+Conversation = Annotated[list[ChatMessageParam], Field(min_length=1)]
+
+
 class ChatCompletionRequest(SamplingRequest):
-    # Messages stay dicts: chat templates read arbitrary keys (name, tool_calls, ...).
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Conversation
+    max_tokens: PositiveMaxTokens | None = None
+    max_completion_tokens: PositiveMaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Tools | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} (kept as a dict)
+    tool_choice: (
+        Literal["none", "auto", "required"] | Annotated[NamedToolChoice, AfterValidator(BaseModel.model_dump)] | None
+    ) = None
     parallel_tool_calls: bool = True
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        # top_logprobs needs logprobs: true (a rule across two fields, stated for the schema's readers).
+        json_schema_extra={
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        },
+    )
 
 
 class TopLogprob(BaseModel):
@@ -287,19 +470,27 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(RequestModel):
-    """Either `prompt` (text) or `messages` (a conversation, rendered with the chat template)."""
+class TokenizeRequest(RequestBody):
+    """Either `prompt` (text) or `messages` (a conversation, rendered with the chat template):
+    exactly one of them (the schema's `oneOf`)."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]},
+    )
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    # Not nullable: absent is how a client leaves one of them out.
+    prompt: str = Field(default=None)  # type: ignore[assignment]
+    messages: Conversation = Field(default=None)  # type: ignore[assignment]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
     # Rendered by the chat template with `messages`, as /v1/chat/completions renders them.
-    tools: list[dict[str, Any]] | None = None
+    tools: Tools | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -309,9 +500,9 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(RequestModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

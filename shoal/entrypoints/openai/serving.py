@@ -1,6 +1,6 @@
 """What the completion and chat handlers share: the model check, tokenization off the event
-loop, the context-length check, server-sent events, merging the streams of several prompts,
-and cancelling work when the client goes away."""
+loop, the context-length check, the overload limits (`serving_limits.py`), server-sent events,
+merging the streams of several prompts, and cancelling work when the client goes away."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ from starlette.types import Send
 
 from shoal.entrypoints.openai.errors import bad_request, model_not_found, to_api_error
 from shoal.entrypoints.openai.protocol import UsageInfo
+from shoal.entrypoints.openai.serving_limits import (
+    Admission,
+    KVCacheFit,
+    ServingLimits,
+    Ticket,
+    default_max_num_waiting,
+    with_deadline,
+)
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,13 +45,49 @@ class OpenAIServing:
     """The engine, the served model's limits, and a thread that owns the tokenizer (encoding a
     long prompt or rendering a chat template must not stall every stream on the event loop)."""
 
-    def __init__(self, engine: AsyncLLM, tokenizer_thread: ThreadPoolExecutor) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        tokenizer_thread: ThreadPoolExecutor,
+        limits: ServingLimits | None = None,
+        admission: Admission | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.config.model_config
         self.model_name = self.model_config.served_model_name
         self.max_model_len = self.model_config.max_model_len
         self._tokenizer_thread = tokenizer_thread
+        self.limits = limits or ServingLimits()
+        num_kv_blocks = getattr(engine.engine_core, "num_kv_blocks", None)
+        self.kv_cache_fit = KVCacheFit(num_kv_blocks, engine.config.cache_config.block_size)
+        self.admission = admission or make_admission(engine, self.limits)
+
+    def admit(self, num_seqs: int) -> Ticket:
+        """Hold `num_seqs` sequences until the response ends (a 429 past the waiting limit)."""
+        return self.admission.admit(num_seqs)
+
+    def deadline(self) -> float | None:
+        """The event-loop time by which a request arriving now must finish (`--request-timeout`)."""
+        timeout_s = self.limits.request_timeout_s
+        return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+
+    def bounded(self, stream: AsyncIterator[T], deadline: float | None) -> AsyncIterator[T]:
+        """`stream`, aborted with a 503 once `deadline` passes."""
+        if deadline is None:
+            return stream
+        assert self.limits.request_timeout_s is not None
+        return with_deadline(stream, deadline, self.limits.request_timeout_s)
+
+    def sse_response(self, events: AsyncIterator[str], ticket: Ticket) -> SSEResponse:
+        return SSEResponse(sse_stream(events), ticket, self.limits.stream_stall_timeout_s)
+
+    async def until_done(self, raw_request: Request, work: Awaitable[T], ticket: Ticket) -> T | Response:
+        """`until_disconnected`, the ticket given back at the end."""
+        try:
+            return await until_disconnected(raw_request, work)
+        finally:
+            ticket.release()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -82,6 +126,21 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
 
+def make_admission(engine: AsyncLLM, limits: ServingLimits) -> Admission:
+    """The server's one `Admission` (completions and chat share it)."""
+    scheduler_config = engine.config.scheduler_config
+    max_num_waiting = limits.max_num_waiting_requests
+    if max_num_waiting is None:
+        num_kv_blocks = getattr(engine.engine_core, "num_kv_blocks", None) or 0
+        max_num_waiting = default_max_num_waiting(
+            num_kv_blocks,
+            engine.config.cache_config.block_size,
+            engine.config.model_config.max_model_len,
+            scheduler_config.max_num_seqs,
+        )
+    return Admission(scheduler_config.max_num_seqs, max_num_waiting)
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
@@ -115,20 +174,53 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 class SSEResponse(StreamingResponse):
     """Server-sent events. When the client disconnects, Starlette cancels the stream; closing the
     generator here (shielded from that cancellation) makes sure the engine aborts the request
-    even when the cancellation lands outside the engine's own await."""
+    even when the cancellation lands outside the engine's own await.
+
+    A client that stops reading fills the socket's buffers, and then a send waits: only this
+    stream waits (the event loop serves everyone else), but its request would keep generating
+    into memory. A send that waits longer than `stall_timeout_s` ends the stream, and so the
+    request. The admission `ticket` is given back when the stream ends, however it ends."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(
+        self, events: AsyncIterator[str], ticket: Ticket | None = None, stall_timeout_s: float | None = None
+    ) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
+        self._ticket = ticket
+        self._stall_timeout_s = stall_timeout_s
 
     async def stream_response(self, send: Send) -> None:
         try:
-            await super().stream_response(send)
+            await super().stream_response(self._bounded(send))
+        except StreamStalled:
+            logger.warning(
+                "A client stopped reading its stream for %g s; its request was aborted", self._stall_timeout_s
+            )
         finally:
             with anyio.CancelScope(shield=True):
                 await _aclose(self._events)
+            if self._ticket is not None:
+                self._ticket.release()
+
+    def _bounded(self, send: Send) -> Send:
+        if self._stall_timeout_s is None:
+            return send
+        timeout_s = self._stall_timeout_s
+
+        async def bounded_send(message: Any) -> None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await send(message)
+            except TimeoutError:
+                raise StreamStalled from None
+
+        return bounded_send
+
+
+class StreamStalled(Exception):
+    """A send to a stream's client waited longer than the stall timeout."""
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

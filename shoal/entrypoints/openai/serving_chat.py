@@ -32,6 +32,7 @@ from shoal.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatLogprobs,
     ChatMessage,
+    ChatMessageParam,
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
@@ -42,14 +43,12 @@ from shoal.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reas
 from shoal.entrypoints.openai.sampling_extensions import structured_outputs_of
 from shoal.entrypoints.openai.serving import (
     OpenAIServing,
-    SSEResponse,
     clamp_logprob,
     merge_streams,
     sse_event,
-    sse_stream,
-    until_disconnected,
     usage,
 )
+from shoal.entrypoints.openai.serving_limits import Admission, ServingLimits
 from shoal.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from shoal.frontend.chat import render_chat
 from shoal.frontend.output_processor import OutputKind
@@ -87,16 +86,25 @@ class _Chat:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLM, tokenizer_thread: ThreadPoolExecutor, options: ChatOptions | None = None):
-        super().__init__(engine, tokenizer_thread)
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        tokenizer_thread: ThreadPoolExecutor,
+        options: ChatOptions | None = None,
+        limits: ServingLimits | None = None,
+        admission: Admission | None = None,
+    ):
+        super().__init__(engine, tokenizer_thread, limits, admission)
         self.options = options or ChatOptions()
         self.reasoning = get_reasoning_parser(self.options.reasoning_parser) if self.options.reasoning_parser else None
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        deadline = self.deadline()
         chat = await self._prepare(request)
+        ticket = self.admit(request.n)
         if request.stream:
-            return SSEResponse(sse_stream(self._stream(chat)))
-        result = await until_disconnected(raw_request, self._complete(chat))
+            return self.sse_response(self._stream(chat, deadline), ticket)
+        result = await self.until_done(raw_request, self._complete(chat, deadline), ticket)
         return result if isinstance(result, Response) else JSONResponse(result.model_dump())
 
     async def _prepare(self, request: ChatCompletionRequest) -> _Chat:
@@ -126,7 +134,10 @@ class OpenAIServingChat(OpenAIServing):
             request.tools,
         )
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if request.max_tokens is not None and request.max_tokens >= self.max_model_len:  # even when overridden
+            raise bad_request(f"max_tokens must be below the maximum context length {self.max_model_len}", "max_tokens")
         self.check_prompt(token_ids, max_tokens, "messages")
+        self.kv_cache_fit.check(len(token_ids), request.n, max_tokens)
         params = request.to_sampling_params(
             max_tokens,
             (request.top_logprobs or 0) if request.logprobs else None,
@@ -149,24 +160,26 @@ class OpenAIServingChat(OpenAIServing):
 
     async def render(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[ChatMessageParam] | list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (raises `ValueError` for a bad one)."""
-        conversation = [_with_text_content(m) for m in messages]
+        conversation = [
+            _with_text_content(m.as_template_input() if isinstance(m, ChatMessageParam) else m) for m in messages
+        ]
         return await self.in_tokenizer_thread(
             render_chat, self.tokenizer, conversation, add_generation_prompt, chat_template, chat_template_kwargs, tools
         )
 
     # ---- one response ---------------------------------------------------------------------------
 
-    async def _complete(self, chat: _Chat) -> ChatCompletionResponse:
+    async def _complete(self, chat: _Chat, deadline: float | None) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         stream = self.engine.generate(chat.prompt, chat.params, chat.request_id, output_kind=OutputKind.FINAL_ONLY)
-        async for _, output in merge_streams([stream]):
+        async for _, output in self.bounded(merge_streams([stream]), deadline):
             final = output
         assert final is not None
         request = chat.request
@@ -194,7 +207,7 @@ class OpenAIServingChat(OpenAIServing):
 
     # ---- a stream -------------------------------------------------------------------------------
 
-    async def _stream(self, chat: _Chat) -> AsyncIterator[str]:
+    async def _stream(self, chat: _Chat, deadline: float | None) -> AsyncIterator[str]:
         request, request_id = chat.request, chat.request_id
         created = now()
         options = request.stream_options
@@ -214,7 +227,7 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=_ASSISTANT, content=""))])
         stream = self.engine.generate(chat.prompt, chat.params, request_id, output_kind=OutputKind.DELTA)
-        async for _, output in merge_streams([stream]):
+        async for _, output in self.bounded(merge_streams([stream]), deadline):
             for completion in output.outputs:
                 num_completion_tokens += len(completion.token_ids)
                 choice = self._stream_choice(request, completion, outputs[completion.index])

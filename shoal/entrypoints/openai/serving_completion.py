@@ -31,12 +31,9 @@ from shoal.entrypoints.openai.protocol import (
 from shoal.entrypoints.openai.sampling_extensions import structured_outputs_of
 from shoal.entrypoints.openai.serving import (
     OpenAIServing,
-    SSEResponse,
     clamp_logprob,
     merge_streams,
     sse_event,
-    sse_stream,
-    until_disconnected,
     usage,
 )
 from shoal.frontend.output_processor import OutputKind
@@ -49,11 +46,11 @@ TokenizedPrompt = tuple[str | None, list[int]]
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
-        if request.tools:
-            raise bad_request("tools are only for /v1/chat/completions", "tools")
+        deadline = self.deadline()
         prompts = await self._tokenize_prompts(request)
         for _, token_ids in prompts:
             self.check_prompt(token_ids, request.max_tokens, "prompt")
+            self.kv_cache_fit.check(len(token_ids), request.n, request.max_tokens)
         echo_logprobs = request.logprobs if request.echo else None
         # Scoring (max_tokens 0): the engine samples one token after the prompt, dropped in _scored.
         max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
@@ -64,10 +61,12 @@ class OpenAIServingCompletion(OpenAIServing):
             structured_outputs=structured_outputs_of(request),
         )
         await self.check_params(params)
+        ticket = self.admit(len(prompts) * request.n)
         request_id = random_id("cmpl")
         if request.stream:
-            return SSEResponse(sse_stream(self._stream(request, request_id, prompts, params)))
-        result = await until_disconnected(raw_request, self._complete(request, request_id, prompts, params))
+            return self.sse_response(self._stream(request, request_id, prompts, params, deadline), ticket)
+        work = self._complete(request, request_id, prompts, params, deadline)
+        result = await self.until_done(raw_request, work, ticket)
         return result if isinstance(result, Response) else JSONResponse(result.model_dump())
 
     async def _tokenize_prompts(self, request: CompletionRequest) -> list[TokenizedPrompt]:
@@ -103,10 +102,16 @@ class OpenAIServingCompletion(OpenAIServing):
     # ---- one response ---------------------------------------------------------------------------
 
     async def _complete(
-        self, request: CompletionRequest, request_id: str, prompts: list[TokenizedPrompt], params: SamplingParams
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[TokenizedPrompt],
+        params: SamplingParams,
+        deadline: float | None,
     ) -> CompletionResponse:
         final: dict[int, RequestOutput] = {}
-        async for i, output in merge_streams(self._generate_all(request_id, prompts, params, OutputKind.FINAL_ONLY)):
+        streams = self._generate_all(request_id, prompts, params, OutputKind.FINAL_ONLY)
+        async for i, output in self.bounded(merge_streams(streams), deadline):
             final[i] = output
         choices = []
         num_prompt_tokens = num_completion_tokens = 0
@@ -186,7 +191,12 @@ class OpenAIServingCompletion(OpenAIServing):
     # ---- a stream -------------------------------------------------------------------------------
 
     async def _stream(
-        self, request: CompletionRequest, request_id: str, prompts: list[TokenizedPrompt], params: SamplingParams
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[TokenizedPrompt],
+        params: SamplingParams,
+        deadline: float | None,
     ) -> AsyncIterator[str]:
         created = now()
         num_choices = len(prompts) * request.n
@@ -196,7 +206,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion_tokens = 0
         options = request.stream_options
         streams = self._generate_all(request_id, prompts, params, OutputKind.DELTA)
-        async for i, output in merge_streams(streams):
+        async for i, output in self.bounded(merge_streams(streams), deadline):
             for completion in output.outputs:
                 completion = _scored(completion) if request.max_tokens == 0 else completion
                 index = i * request.n + completion.index

@@ -1,0 +1,99 @@
+"""What the fuzzer's schema-valid cases become before they are sent: the few rules that a JSON
+schema cannot state (they span fields, or need the model: a prompt that fits the context with
+its max_tokens, a regex or grammar that compiles, a chat template that renders) are made to
+hold, so that every positive case must be a 2xx. Each such rule has its own row in
+`bad_inputs.py`. Cases are also kept small (n, max_tokens, prompt lengths) so that the run
+stays bounded in time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_choice")
+_UNCHECKABLE_FIELDS = ("guided_regex", "guided_grammar", "chat_template", "chat_template_kwargs")
+MAX_FUZZ_TOKENS = 4
+MAX_FUZZ_N = 2
+MAX_PROMPT_ITEMS = 4
+MAX_TEXT_CHARS = 16
+
+
+def fit_positive_body(path: str, body: Any, vocab_size: int) -> Any:
+    """`body` (a schema-valid body for `path`) changed so that the server's cross-field and
+    model-dependent rules hold."""
+    if not isinstance(body, dict):
+        return body
+    body = dict(body)
+    if path in GENERATE_PATHS:
+        _fit_sampling(body, vocab_size)
+    if path in ("/v1/chat/completions", "/tokenize"):
+        _fit_chat(body)
+    if "prompt" in body:
+        body["prompt"] = _short(body["prompt"])
+    return body
+
+
+def _fit_sampling(body: dict[str, Any], vocab_size: int) -> None:
+    for name in _UNCHECKABLE_FIELDS:
+        body.pop(name, None)
+    structured = [name for name in _STRUCTURED_FIELDS if body.get(name) is not None]
+    for name in structured[1:]:
+        del body[name]  # at most one structured-output field
+    if structured:
+        _fit_structured(body, structured[0])
+        body["ignore_eos"], body["min_tokens"] = False, 0  # a grammar's end must be able to stop
+    # Few new tokens, so that a prompt of the fuzzed lengths fits the context with them.
+    max_tokens = body.get("max_tokens")
+    body["max_tokens"] = MAX_FUZZ_TOKENS if max_tokens is None else min(max_tokens, MAX_FUZZ_TOKENS)
+    if body.get("max_completion_tokens") is not None:
+        body["max_completion_tokens"] = min(body["max_completion_tokens"], MAX_FUZZ_TOKENS)
+    limit = body.get("max_completion_tokens") or body["max_tokens"]
+    body["min_tokens"] = min(int(body.get("min_tokens") or 0), limit)
+    body["n"] = min(int(body.get("n") or 1), MAX_FUZZ_N)
+    if body.get("logit_bias"):
+        body["logit_bias"] = {k: v for k, v in body["logit_bias"].items() if k.isdigit() and int(k) < vocab_size}
+
+
+def _fit_structured(body: dict[str, Any], name: str) -> None:
+    value = body[name]
+    if name == "response_format" and value.get("type") == "json_schema":
+        body[name] = {"type": "json_schema", "json_schema": {"name": "fuzz", "schema": {"type": "object"}}}
+    elif name == "structured_outputs":
+        kept = {key: value[key] for key in ("choice", "json_object") if value.get(key)}
+        body[name] = dict([next(iter(kept.items()))]) if kept else None
+    elif name == "guided_json":
+        body[name] = {"type": "object"}
+
+
+def _fit_chat(body: dict[str, Any]) -> None:
+    body.pop("chat_template", None)
+    body.pop("chat_template_kwargs", None)
+    if body.get("messages") is not None:
+        body["messages"] = [_short_message(m) for m in body["messages"][:MAX_PROMPT_ITEMS]]
+    if body.get("tools"):
+        body["tool_choice"] = "none"  # the fuzzed server has no tool-call parser
+        body["tools"] = [
+            {"type": "function", "function": {"name": tool["function"]["name"][:MAX_TEXT_CHARS], "parameters": {}}}
+            for tool in body["tools"][:2]
+        ]
+    elif body.get("tool_choice") is not None:
+        body["tool_choice"] = "none"
+
+
+def _short_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The message's role and a short content (other keys could render to any length)."""
+    short = {"role": message["role"]}
+    content = message.get("content")
+    if isinstance(content, str):
+        short["content"] = content[:MAX_TEXT_CHARS]
+    elif isinstance(content, list):
+        short["content"] = [{"type": "text", "text": p["text"][:MAX_TEXT_CHARS]} for p in content[:MAX_PROMPT_ITEMS]]
+    return short
+
+
+def _short(prompt: Any) -> Any:
+    if isinstance(prompt, str):
+        return prompt[:MAX_TEXT_CHARS]
+    if isinstance(prompt, list):
+        return [_short(item) if isinstance(item, str | list) else item for item in prompt[:MAX_PROMPT_ITEMS]]
+    return prompt
