@@ -1,5 +1,5 @@
 """The `shoal` command: `shoal serve [MODEL] [--host ...] [--port ...] [engine arguments]` and
-`shoal bench {throughput,latency,serve} [...]`.
+`shoal batch -i IN -o OUT [engine arguments]` and `shoal bench {throughput,latency,serve} [...]`.
 
 Every engine argument is a flag generated from the `EngineArgs` dataclass (`max_model_len` →
 `--max-model-len`, booleans as `--x/--no-x`), so a new engine argument is a new flag with no
@@ -178,6 +178,53 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+# ---- shoal batch -------------------------------------------------------------------------------
+
+
+def add_batch_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "batch",
+        help="run a file of OpenAI requests (the batch format) offline",
+        description=(
+            "Answer every line of an OpenAI batch file (custom_id, method, url /v1/completions or "
+            "/v1/chat/completions, body) as `shoal serve` would, one result line per request, written "
+            "as it finishes (match them by custom_id). Rerun with the same output to resume."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-i", "--input", required=True, help="the requests, one JSON object a line")
+    parser.add_argument("-o", "--output", required=True, help="the results file (appended to: a rerun resumes)")
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas, each TP x PP in its own placement group, through Ray Data",
+    )
+    parser.add_argument("--disable-progress-bar", action="store_true", help="no tqdm progress bar")
+    add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
+    parser.set_defaults(handler=run_batch_command)
+
+
+def run_batch_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.entrypoints.batch import run_batch
+
+    try:
+        run_batch(
+            engine_args_from(args),
+            args.input,
+            args.output,
+            data_parallel_size=args.data_parallel_size,
+            use_tqdm=not args.disable_progress_bar,
+        )
+    except ValueError as exc:
+        parser.exit(2, f"shoal batch: error: {exc}\n")
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
 # ---- flags generated from EngineArgs -----------------------------------------------------------
 
 
@@ -262,7 +309,7 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_bench_parser]
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_batch_parser, add_bench_parser]
 
 
 if __name__ == "__main__":
