@@ -19,7 +19,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shoal.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, EngineArgs
+from shoal.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, PLACEMENT_STRATEGIES, EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "load_format": LOAD_FORMATS,
     "distributed_executor_backend": EXECUTOR_BACKENDS,
     "device": ("auto", "cpu", "cuda"),
+    "placement_strategy": PLACEMENT_STRATEGIES,
 }
 _HELP = {
     "model": "a local Hugging Face folder (config.json, safetensors, tokenizer); none: the demo model",
@@ -55,6 +56,7 @@ _HELP = {
     "quantization": "weight quantization: none or fp8",
     "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
     "ray_address": "the Ray cluster to join; none: start or find a local one",
+    "placement_strategy": "how Ray spreads the workers over nodes (PACK: TP within a node, PP across nodes)",
     "max_worker_restarts": "re-create a dead Ray worker at most this many times per window, then shut down (0: never)",
     "worker_restart_window_s": "the window, in seconds, over which --max-worker-restarts counts",
     "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
@@ -111,6 +113,12 @@ def add_serve_parser(subparsers: Any) -> None:
         action="store_true",
         help="add the RL rollout routes: /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused",
     )
+    server.add_argument(
+        "--num-replicas",
+        type=int,
+        default=None,
+        help="serve through Ray Serve with this many replicas, each one engine (shoal.serve_ray)",
+    )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
         "--tool-call-parser",
@@ -132,8 +140,7 @@ def add_serve_parser(subparsers: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from shoal.entrypoints.openai.api_server import ServerArgs, run_server
-    from shoal.entrypoints.openai.serving_chat import ChatOptions
+    from shoal.entrypoints.openai.api_server import run_server
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
@@ -142,7 +149,35 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     engine_args = engine_args_from(args)
     if args.model_tag is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_tag)
-    server_args = ServerArgs(
+    server_args = server_args_from(args)
+    # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
+    # rather than the default action; uvicorn handles it first for a graceful shutdown.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        if args.num_replicas is not None:
+            from shoal.entrypoints.serve_ray import run_replicated
+
+            run_replicated(engine_args, server_args, args.num_replicas)
+        else:
+            run_server(engine_args, server_args)
+    except KeyboardInterrupt:
+        pass
+    except ValueError as exc:
+        # Engine arguments are checked as the engine starts (with the config, which is built
+        # while the engine-core process starts), so a bad one fails before the model loads.
+        parser.exit(2, f"shoal serve: error: {exc}\n")
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+def server_args_from(args: argparse.Namespace) -> Any:
+    """The `ServerArgs` of parsed `shoal serve` flags."""
+    from shoal.entrypoints.openai.api_server import ServerArgs
+    from shoal.entrypoints.openai.serving_chat import ChatOptions
+
+    return ServerArgs(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -157,21 +192,6 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             reasoning_parser=args.reasoning_parser,
         ),
     )
-    # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
-    # rather than the default action; uvicorn handles it first for a graceful shutdown.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        run_server(engine_args, server_args)
-    except KeyboardInterrupt:
-        pass
-    except ValueError as exc:
-        # Engine arguments are checked as the engine starts (with the config, which is built
-        # while the engine-core process starts), so a bad one fails before the model loads.
-        parser.exit(2, f"shoal serve: error: {exc}\n")
-    except OSError as exc:
-        logger.error("%s", exc)
-        return 1
-    return 0
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

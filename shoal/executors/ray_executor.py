@@ -71,7 +71,7 @@ class RayExecutor(Executor):
         num_cpus = max(os.cpu_count() or 1, parallel.world_size) if self.device == "cpu" else None
         ray_utils.connect_to_ray(parallel.ray_address, num_cpus)
         self.placement_group, bundle_indices, self._owns_placement_group = ray_utils.reserve_placement_group(
-            parallel.world_size, self.device, parallel.placement_group_timeout_s
+            parallel.world_size, self.device, parallel.placement_group_timeout_s, parallel.placement_strategy
         )
         self.bundle_indices = bundle_indices  # by rank
         try:

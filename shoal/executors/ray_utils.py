@@ -60,12 +60,14 @@ def worker_bundle(device: str) -> dict[str, float]:
 # ---- the placement group ----------------------------------------------------------------------------
 
 
-def reserve_placement_group(num_workers: int, device: str, timeout_s: float) -> tuple[PlacementGroup, list[int], bool]:
+def reserve_placement_group(
+    num_workers: int, device: str, timeout_s: float, strategy: str = "PACK"
+) -> tuple[PlacementGroup, list[int], bool]:
     """(placement group, the bundle index of each rank, whether shoal created the group).
 
     Inside a placement group already (shoal started from a user's actor or task), the workers
     go into that group's bundles that hold the worker resource; otherwise a new group of
-    `num_workers` bundles is created and waited for. Ranks get bundles on the driver's node
+    `num_workers` bundles is created (with Ray's `strategy`) and waited for. Ranks get bundles on the driver's node
     first, then node by node, so that a tensor-parallel group shares a node whenever it can.
     """
     bundle = worker_bundle(device)
@@ -81,7 +83,7 @@ def reserve_placement_group(num_workers: int, device: str, timeout_s: float) -> 
         wait_for_placement_group(current, [bundle] * num_workers, timeout_s)
         return current, driver_node_first(current, usable)[:num_workers], False
     bundles = [dict(bundle) for _ in range(num_workers)]
-    group = ray.util.placement_group(bundles, strategy="PACK", name=f"shoal-{uuid.uuid4().hex[:12]}")
+    group = ray.util.placement_group(bundles, strategy=strategy, name=f"shoal-{uuid.uuid4().hex[:12]}")
     try:
         wait_for_placement_group(group, bundles, timeout_s)
     except BaseException:
