@@ -19,6 +19,7 @@ from shoal import envs
 from shoal.config import EngineConfig
 from shoal.distributed.communicator import NcclUniqueId, nccl_unique_id
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.executors import ray_checks
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +40,29 @@ def connect_to_ray(address: str | None, num_cpus: int | None) -> None:
         return
     quiet: dict[str, Any] = dict(logging_level=logging.WARNING, log_to_driver=True)
     # RAY_ADDRESS is Ray's own variable: an address given there must be reached, not replaced.
+    source = "ray_address" if address else "RAY_ADDRESS"
     address = address or envs.RAY_ADDRESS
     if address:
+        ray_checks.check_gcs_reachable(address, source)  # Ray would retry a dead one for minutes
         ray.init(address=address, **quiet)
+        logger.info("Joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
+        return
+    stale = ray_checks.stale_local_address()
+    if stale is not None:
+        logger.warning(
+            "The Ray cluster last started on this node (%s) is gone (a node that died without `ray stop`); "
+            "starting a local one. Run `ray stop` to forget it, or set RAY_ADDRESS to the cluster's head.",
+            stale,
+        )
     else:
         try:
             ray.init(address="auto", **quiet)
         except ConnectionError:  # no cluster on this node
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
-            logger.info("Started a local Ray cluster (%s CPUs)", num_cpus or "all")
-            return
+            stale = "none"
+    if stale is not None:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+        logger.info("Started a local Ray cluster (%s CPUs)", num_cpus or "all")
+        return
     logger.info("Joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
 
 
@@ -152,13 +166,21 @@ class RayWorker:
         from shoal.workers.worker import Worker
 
         configure_logging()
-        local_rank = local_gpu_index() if config.device_config.device == "cuda" else 0
+        self.device = config.device_config.device
+        # Without a GPU the worker is not built; `environment_problems` then says why.
+        has_gpu = self.device != "cuda" or ray.get_runtime_context().get_accelerator_ids().get("GPU")
+        local_rank = local_gpu_index() if self.device == "cuda" and has_gpu else 0
         self.worker = Worker(config, rank=rank, local_rank=local_rank)
         self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         self._encoder = msgspec.msgpack.Encoder()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def environment_problems(self, driver_versions: ray_checks.Versions, model_path: str) -> tuple[str, list[str]]:
+        """(this node's IP, what keeps the engine from running here: `ray_checks`)."""
+        problems = ray_checks.environment_problems(driver_versions, model_path, self.device)
+        return ray.util.get_node_ip_address(), problems
 
     def node_ip_and_free_port(self) -> tuple[str, int]:
         """This node's IP and a port free on it now (for the rank-0 rendezvous)."""
