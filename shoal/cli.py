@@ -245,6 +245,34 @@ def run_batch_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     return 0
 
 
+# ---- shoal cluster -----------------------------------------------------------------------------
+
+
+def add_cluster_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cluster", help="inspect the Ray cluster shoal runs on")
+    commands = parser.add_subparsers(title="cluster commands", metavar="COMMAND")
+    status = commands.add_parser(
+        "status",
+        help="nodes, their CPUs and GPUs (UUIDs), free resources, and the shoal engines with their placement groups",
+    )
+    status.add_argument("--address", default=None, help="the head's GCS host:port; none: RAY_ADDRESS or this node's")
+    status.add_argument("--json", action="store_true", help="the report as JSON")
+    status.set_defaults(handler=run_cluster_status)
+    parser.set_defaults(handler=lambda args, _: _print_help(parser))
+
+
+def run_cluster_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.entrypoints.cluster_status import main as cluster_status
+
+    try:
+        report = cluster_status(args.address, args.json)
+    except ConnectionError as exc:
+        sys.stderr.write(f"shoal cluster status: {exc}\n")
+        return 1
+    sys.stdout.write(report + "\n")
+    return 0
+
+
 # ---- flags generated from EngineArgs -----------------------------------------------------------
 
 
@@ -329,7 +357,7 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_batch_parser, add_bench_parser]
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_batch_parser, add_cluster_parser, add_bench_parser]
 
 
 if __name__ == "__main__":

@@ -204,6 +204,16 @@ class RayWorker:
     def ping(self) -> bool:
         return True
 
+    @ray.method(concurrency_group=HEALTH_CONCURRENCY_GROUP)
+    def describe(self) -> dict[str, Any]:
+        """Where this worker runs, for `shoal cluster status` (answered even during a step)."""
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "placement_group_id": context.get_placement_group_id(),
+            "gpu_ids": [str(i) for i in context.get_accelerator_ids().get("GPU", [])],
+        }
+
 
 def local_gpu_index() -> int:
     """The index, among the GPUs this process sees, of the GPU Ray gave this actor. Ray
