@@ -1,5 +1,5 @@
 """The `shoal` command: `shoal serve [MODEL] [--host ...] [--port ...] [engine arguments]` and
-`shoal bench {throughput,latency,serve} [...]`.
+`shoal batch -i IN -o OUT [engine arguments]` and `shoal bench {throughput,latency,serve} [...]`.
 
 Every engine argument is a flag generated from the `EngineArgs` dataclass (`max_model_len` →
 `--max-model-len`, booleans as `--x/--no-x`), so a new engine argument is a new flag with no
@@ -19,7 +19,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shoal.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, EngineArgs
+from shoal.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, PLACEMENT_STRATEGIES, EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "load_format": LOAD_FORMATS,
     "distributed_executor_backend": EXECUTOR_BACKENDS,
     "device": ("auto", "cpu", "cuda"),
+    "placement_strategy": PLACEMENT_STRATEGIES,
 }
 _HELP = {
     "model": "a local Hugging Face folder (config.json, safetensors, tokenizer); none: the demo model",
@@ -55,6 +56,7 @@ _HELP = {
     "quantization": "weight quantization: none or fp8",
     "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
     "ray_address": "the Ray cluster to join; none: start or find a local one",
+    "placement_strategy": "how Ray spreads the workers over nodes (PACK: TP within a node, PP across nodes)",
     "max_worker_restarts": "re-create a dead Ray worker at most this many times per window, then shut down (0: never)",
     "worker_restart_window_s": "the window, in seconds, over which --max-worker-restarts counts",
     "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
@@ -138,6 +140,12 @@ def add_serve_parser(subparsers: Any) -> None:
         default=60.0,
         help="seconds a stream's client may stop reading before its request is aborted (0: no limit)",
     )
+    server.add_argument(
+        "--num-replicas",
+        type=int,
+        default=None,
+        help="serve through Ray Serve with this many replicas, each one engine (shoal.serve_ray)",
+    )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
         "--tool-call-parser",
@@ -159,8 +167,7 @@ def add_serve_parser(subparsers: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from shoal.entrypoints.openai.api_server import ServerArgs, run_server
-    from shoal.entrypoints.openai.serving_chat import ChatOptions
+    from shoal.entrypoints.openai.api_server import run_server
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
@@ -169,7 +176,35 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     engine_args = engine_args_from(args)
     if args.model_tag is not None:
         engine_args = dataclasses.replace(engine_args, model=args.model_tag)
-    server_args = ServerArgs(
+    server_args = server_args_from(args, parser)
+    # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
+    # rather than the default action; uvicorn handles it first for a graceful shutdown.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        if args.num_replicas is not None:
+            from shoal.entrypoints.serve_ray import run_replicated
+
+            run_replicated(engine_args, server_args, args.num_replicas)
+        else:
+            run_server(engine_args, server_args)
+    except KeyboardInterrupt:
+        pass
+    except ValueError as exc:
+        # Engine arguments are checked as the engine starts (with the config, which is built
+        # while the engine-core process starts), so a bad one fails before the model loads.
+        parser.exit(2, f"shoal serve: error: {exc}\n")
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+def server_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The `ServerArgs` of parsed `shoal serve` flags."""
+    from shoal.entrypoints.openai.api_server import ServerArgs
+    from shoal.entrypoints.openai.serving_chat import ChatOptions
+
+    return ServerArgs(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -185,17 +220,53 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             reasoning_parser=args.reasoning_parser,
         ),
     )
-    # SIGTERM ends the process through Python (unwinding, so the engine core is shut down)
-    # rather than the default action; uvicorn handles it first for a graceful shutdown.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+# ---- shoal batch -------------------------------------------------------------------------------
+
+
+def add_batch_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "batch",
+        help="run a file of OpenAI requests (the batch format) offline",
+        description=(
+            "Answer every line of an OpenAI batch file (custom_id, method, url /v1/completions or "
+            "/v1/chat/completions, body) as `shoal serve` would, one result line per request, written "
+            "as it finishes (match them by custom_id). Rerun with the same output to resume."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-i", "--input", required=True, help="the requests, one JSON object a line")
+    parser.add_argument("-o", "--output", required=True, help="the results file (appended to: a rerun resumes)")
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas, each TP x PP in its own placement group, through Ray Data",
+    )
+    parser.add_argument("--disable-progress-bar", action="store_true", help="no tqdm progress bar")
+    add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
+    parser.set_defaults(handler=run_batch_command)
+
+
+def run_batch_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.entrypoints.batch import run_batch
+
     try:
-        run_server(engine_args, server_args)
-    except KeyboardInterrupt:
-        pass
+        run_batch(
+            engine_args_from(args),
+            args.input,
+            args.output,
+            data_parallel_size=args.data_parallel_size,
+            use_tqdm=not args.disable_progress_bar,
+        )
     except ValueError as exc:
-        # Engine arguments are checked as the engine starts (with the config, which is built
-        # while the engine-core process starts), so a bad one fails before the model loads.
-        parser.exit(2, f"shoal serve: error: {exc}\n")
+        parser.exit(2, f"shoal batch: error: {exc}\n")
     except OSError as exc:
         logger.error("%s", exc)
         return 1
@@ -220,6 +291,34 @@ def serving_limits_from(args: argparse.Namespace, parser: argparse.ArgumentParse
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+# ---- shoal cluster -----------------------------------------------------------------------------
+
+
+def add_cluster_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cluster", help="inspect the Ray cluster shoal runs on")
+    commands = parser.add_subparsers(title="cluster commands", metavar="COMMAND")
+    status = commands.add_parser(
+        "status",
+        help="nodes, their CPUs and GPUs (UUIDs), free resources, and the shoal engines with their placement groups",
+    )
+    status.add_argument("--address", default=None, help="the head's GCS host:port; none: RAY_ADDRESS or this node's")
+    status.add_argument("--json", action="store_true", help="the report as JSON")
+    status.set_defaults(handler=run_cluster_status)
+    parser.set_defaults(handler=lambda args, _: _print_help(parser))
+
+
+def run_cluster_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.entrypoints.cluster_status import main as cluster_status
+
+    try:
+        report = cluster_status(args.address, args.json)
+    except ConnectionError as exc:
+        sys.stderr.write(f"shoal cluster status: {exc}\n")
+        return 1
+    sys.stdout.write(report + "\n")
+    return 0
 
 
 # ---- flags generated from EngineArgs -----------------------------------------------------------
@@ -306,7 +405,7 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_bench_parser]
+SUBCOMMANDS: list[Callable[[Any], None]] = [add_serve_parser, add_batch_parser, add_cluster_parser, add_bench_parser]
 
 
 if __name__ == "__main__":

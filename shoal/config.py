@@ -18,6 +18,8 @@ Device = Literal["cpu", "cuda"]
 DTYPES = ("float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 EXECUTOR_BACKENDS = ("uni", "ray")
+# How Ray spreads an engine's worker bundles over nodes (Ray's placement-group strategies).
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -83,6 +85,9 @@ class ParallelConfig:
     ray_address: str | None = None
     # Seconds to wait for the placement group before failing with the missing resources.
     placement_group_timeout_s: float = 120.0
+    # PACK: as few nodes as possible, so a tensor-parallel group shares a node and pipeline
+    # stages go to other nodes only when one is full (see ray_utils.order_bundles).
+    placement_strategy: str = "PACK"
     # Ray workers that die are re-created, at most this many times within any window of
     # `worker_restart_window_s` seconds; one more death shuts the engine down (0: never restart).
     max_worker_restarts: int = 3
@@ -151,6 +156,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: tuple[int, ...] | None = None
     ray_address: str | None = None
+    placement_strategy: str = "PACK"
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 3600.0
     # None: on for one GPU worker, off otherwise.
@@ -263,6 +269,10 @@ class EngineArgs:
             pp <= model_config.num_layers, f"pipeline_parallel_size={pp} exceeds the {model_config.num_layers} layers"
         )
         _require(self.max_worker_restarts >= 0, "max_worker_restarts must be >= 0")
+        _require(
+            self.placement_strategy in PLACEMENT_STRATEGIES,
+            f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}",
+        )
         _require(self.worker_restart_window_s > 0, "worker_restart_window_s must be > 0")
         partition = self.pipeline_layer_partition
         if partition is not None:
@@ -276,6 +286,7 @@ class EngineArgs:
             distributed_executor_backend=backend,
             pipeline_layer_partition=partition,
             ray_address=self.ray_address,
+            placement_strategy=self.placement_strategy,
             max_worker_restarts=self.max_worker_restarts,
             worker_restart_window_s=self.worker_restart_window_s,
             enable_expert_parallel=self._expert_parallel(model_config),

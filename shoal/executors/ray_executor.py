@@ -40,7 +40,7 @@ from shoal.distributed.communicator import NcclUniqueId
 from shoal.distributed.parallel_state import pp_group_ranks, tp_group_ranks
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.errors import EngineDeadError, WorkerDiedError
-from shoal.executors import ray_utils
+from shoal.executors import ray_checks, ray_utils
 from shoal.executors.abstract import Executor
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ HEALTH_CHECK_TIMEOUT_S = 5.0
 DRAIN_TIMEOUT_S = 10.0
 # The Ray namespace of the worker actors' names.
 WORKER_NAMESPACE = "shoal"
+# How long the workers may take to form their torch.distributed world (and NCCL communicators)
+# before the engine gives up and says which network settings to check.
+DISTRIBUTED_SETUP_TIMEOUT_S = 25.0
 
 
 class RayExecutor(Executor):
@@ -83,9 +86,10 @@ class RayExecutor(Executor):
         try:
             self.workers.extend(self._start_worker(rank) for rank in range(parallel.world_size))
             # The first call waits for every actor to be scheduled and constructed.
-            self.collective_rpc("init_device", timeout=parallel.placement_group_timeout_s)
+            self._check_worker_environments(parallel.placement_group_timeout_s)
+            self.collective_rpc("init_device")
             self.worker_node_ids: list[str] = self._wait([w.node_id.remote() for w in self.workers], None, "start-up")
-            self.collective_rpc("init_distributed", (self._init_method(), self._nccl_unique_ids()))
+            self._init_distributed()
             self.collective_rpc("load_model")
         except BaseException:
             self.shutdown()
@@ -122,6 +126,32 @@ class RayExecutor(Executor):
             runtime_env=runtime_env,
             **resources,
         ).remote(self.config, rank, self.bundle_indices[rank])
+
+    def _check_worker_environments(self, timeout_s: float) -> None:
+        """Every worker's node runs the driver's Python, torch and shoal, has the model folder
+        and (on GPU) a GPU the actor sees; otherwise one `RuntimeError` naming each node's problems."""
+        versions, model = ray_checks.local_versions(), self.config.model_config.model
+        refs = [w.environment_problems.remote(versions, model) for w in self.workers]
+        answers = self._wait(refs, timeout_s, "start-up (the workers' environment check)")
+        bad = [(rank, ip, problems) for rank, (ip, problems) in enumerate(answers) if problems]
+        if bad:
+            raise RuntimeError(ray_checks.node_problems_message(bad))
+
+    def _init_distributed(self) -> None:
+        """Every worker joins the torch.distributed world; a failure, or a rendezvous that does
+        not finish within DISTRIBUTED_SETUP_TIMEOUT_S, is a `RuntimeError` naming the network
+        variables to check."""
+        init_method = self._init_method()
+        try:
+            self.collective_rpc(
+                "init_distributed", (init_method, self._nccl_unique_ids()), timeout=DISTRIBUTED_SETUP_TIMEOUT_S
+            )
+        except TimeoutError as exc:
+            raise RuntimeError(
+                ray_checks.distributed_setup_message(init_method, DISTRIBUTED_SETUP_TIMEOUT_S, None)
+            ) from exc
+        except RayTaskError as exc:
+            raise RuntimeError(ray_checks.distributed_setup_message(init_method, None, _cause(exc))) from exc
 
     def _init_method(self) -> str:
         """tcp://<rank 0's node IP>:<a port free there>, where torch.distributed meets."""
@@ -233,7 +263,7 @@ class RayExecutor(Executor):
         self._check_alive()
         try:
             self._restart(ranks, num_kv_blocks)
-        except (TimeoutError, RayTaskError) as exc:
+        except (TimeoutError, RayTaskError, RuntimeError) as exc:
             raise self._mark_dead(f"restarting worker ranks {ranks} failed: {_first_line(exc)}") from exc
 
     def _restart(self, ranks: list[int], num_kv_blocks: int) -> None:
@@ -249,7 +279,7 @@ class RayExecutor(Executor):
         # The first call waits for the new actors to be scheduled (their bundles freed) and built.
         self._call(replaced, "init_device", timeout=self.config.parallel_config.placement_group_timeout_s)
         self.worker_node_ids = self._wait([w.node_id.remote() for w in self.workers], None, "a restart")
-        self.collective_rpc("init_distributed", (self._init_method(), self._nccl_unique_ids()))
+        self._init_distributed()
         self._call(replaced, "load_model")
         self.collective_rpc("initialize_kv_cache", (num_kv_blocks,))
         logger.info("re-created worker rank(s) %s; every rank rejoined", replaced)
@@ -352,6 +382,11 @@ def _actor_died(ref: Any) -> bool:
 
 def _ranks_text(ranks: list[int]) -> str:
     return f"worker rank {ranks[0]}" if len(ranks) == 1 else f"worker ranks {', '.join(map(str, ranks))}"
+
+
+def _cause(exc: RayTaskError) -> BaseException:
+    """The worker's own exception inside a `RayTaskError` (its first line says what failed)."""
+    return getattr(exc, "cause", None) or exc
 
 
 def _first_line(exc: BaseException) -> str:

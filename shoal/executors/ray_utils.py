@@ -19,6 +19,7 @@ from shoal import envs
 from shoal.config import EngineConfig, ParallelConfig
 from shoal.distributed.communicator import NcclUniqueId, nccl_unique_id
 from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
+from shoal.executors import ray_checks
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +40,29 @@ def connect_to_ray(address: str | None, num_cpus: int | None) -> None:
         return
     quiet: dict[str, Any] = dict(logging_level=logging.WARNING, log_to_driver=True)
     # RAY_ADDRESS is Ray's own variable: an address given there must be reached, not replaced.
+    source = "ray_address" if address else "RAY_ADDRESS"
     address = address or envs.RAY_ADDRESS
     if address:
+        ray_checks.check_gcs_reachable(address, source)  # Ray would retry a dead one for minutes
         ray.init(address=address, **quiet)
+        logger.info("Joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
+        return
+    stale = ray_checks.stale_local_address()
+    if stale is not None:
+        logger.warning(
+            "The Ray cluster last started on this node (%s) is gone (a node that died without `ray stop`); "
+            "starting a local one. Run `ray stop` to forget it, or set RAY_ADDRESS to the cluster's head.",
+            stale,
+        )
     else:
         try:
             ray.init(address="auto", **quiet)
         except ConnectionError:  # no cluster on this node
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
-            logger.info("Started a local Ray cluster (%s CPUs)", num_cpus or "all")
-            return
+            stale = "none"
+    if stale is not None:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+        logger.info("Started a local Ray cluster (%s CPUs)", num_cpus or "all")
+        return
     logger.info("Joined the Ray cluster at %s", ray.get_runtime_context().gcs_address)
 
 
@@ -72,8 +86,9 @@ def reserve_placement_group(
     there the workers take `parallel.bundle_indices` in rank order when given, else the bundles
     that hold a worker's resources. Otherwise a new group of `num_workers` bundles is created
     and waited for. Ranks get bundles on the driver's node first, then node by node (unless the
-    caller chose them), so that a tensor-parallel group shares a node whenever it can. A group
-    shoal did not create is never removed by it.
+    caller chose them), so that a tensor-parallel group shares a node whenever it can; a new
+    group uses Ray's `parallel.placement_strategy` (PACK by default). A group shoal did not
+    create is never removed by it.
     """
     bundle = worker_bundle(device, parallel)
     given = resolve_placement_group(parallel.placement_group) if parallel is not None else None
@@ -87,7 +102,8 @@ def reserve_placement_group(
     if bundle_indices is not None:
         raise ValueError("bundle_indices needs a placement group: pass placement_group, or start shoal inside one")
     bundles = [dict(bundle) for _ in range(num_workers)]
-    group = ray.util.placement_group(bundles, strategy="PACK", name=f"shoal-{uuid.uuid4().hex[:12]}")
+    strategy = parallel.placement_strategy if parallel is not None else "PACK"
+    group = ray.util.placement_group(bundles, strategy=strategy, name=f"shoal-{uuid.uuid4().hex[:12]}")
     try:
         wait_for_placement_group(group, bundles, timeout_s)
     except BaseException:
@@ -188,7 +204,10 @@ class RayWorker:
         from shoal.workers.extension import create_worker
 
         configure_logging()
-        local_rank = local_gpu_index() if config.device_config.device == "cuda" else 0
+        self.device = config.device_config.device
+        # Without a GPU the worker is not built; `environment_problems` then says why.
+        has_gpu = self.device != "cuda" or ray.get_runtime_context().get_accelerator_ids().get("GPU")
+        local_rank = local_gpu_index() if self.device == "cuda" and has_gpu else 0
         self.worker = create_worker(config, rank=rank, local_rank=local_rank)
         # Where this worker runs, for `report_device` on CPU (a GPU reports its UUID).
         self.worker.placement = f"{ray.get_runtime_context().get_node_id()}:{bundle_index}"
@@ -197,6 +216,11 @@ class RayWorker:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def environment_problems(self, driver_versions: ray_checks.Versions, model_path: str) -> tuple[str, list[str]]:
+        """(this node's IP, what keeps the engine from running here: `ray_checks`)."""
+        problems = ray_checks.environment_problems(driver_versions, model_path, self.device)
+        return ray.util.get_node_ip_address(), problems
 
     def node_ip_and_free_port(self) -> tuple[str, int]:
         """This node's IP and a port free on it now (for the rank-0 rendezvous)."""
@@ -219,6 +243,16 @@ class RayWorker:
     @ray.method(concurrency_group=HEALTH_CONCURRENCY_GROUP)
     def ping(self) -> bool:
         return True
+
+    @ray.method(concurrency_group=HEALTH_CONCURRENCY_GROUP)
+    def describe(self) -> dict[str, Any]:
+        """Where this worker runs, for `shoal cluster status` (answered even during a step)."""
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "placement_group_id": context.get_placement_group_id(),
+            "gpu_ids": [str(i) for i in context.get_accelerator_ids().get("GPU", [])],
+        }
 
 
 def local_gpu_index() -> int:

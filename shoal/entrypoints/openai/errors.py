@@ -127,14 +127,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", params[0] if params else None
 
 
+def validation_failed(exc: RequestValidationError) -> APIError:
+    """The 400 for a body that does not parse (pydantic's errors, in one line)."""
+    return bad_request(*_validation_message(exc))
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
         return to_api_error(exc).to_response()
 
     async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        message, param = _validation_message(exc)
-        return bad_request(message, param).to_response()
+        return validation_failed(exc).to_response()
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

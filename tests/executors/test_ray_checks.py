@@ -1,0 +1,40 @@
+"""The cluster-failure messages of `ray_checks`: what differs between a worker node and the
+driver, a missing model folder, a process group that does not form, a dead GCS address."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+
+from shoal.executors import ray_checks
+from tests.ray_nodes import free_ports
+
+
+def test_other_versions_and_a_missing_model_folder_are_named(tmp_path: Path) -> None:
+    driver = dataclasses.replace(ray_checks.local_versions(), torch="0.0.1", shoal="9.9.9")
+    problems = ray_checks.environment_problems(driver, str(tmp_path / "absent"), "cpu")
+    assert len(problems) == 2
+    assert "(the driver has 0.0.1)" in problems[0] and "(the driver has 9.9.9)" in problems[0]
+    assert "install the same Python packages on every node" in problems[0]
+    assert f"the model folder '{tmp_path / 'absent'}' is missing on this node" in problems[1]
+    assert ray_checks.environment_problems(ray_checks.local_versions(), str(tmp_path), "cpu") == []
+    message = ray_checks.node_problems_message([(1, "10.0.0.2", problems)])
+    assert message.splitlines()[1].startswith("  worker rank 1 on node 10.0.0.2: torch")
+
+
+def test_distributed_setup_message_names_the_interface_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
+    message = ray_checks.distributed_setup_message("tcp://10.0.0.1:1234", 25.0, None)
+    assert "rendezvous tcp://10.0.0.1:1234) did not finish within 25 s" in message
+    assert "GLOO_SOCKET_IFNAME='bogus0'" in message and "NCCL_SOCKET_IFNAME" in message
+
+
+def test_a_dead_gcs_address_fails_at_once() -> None:
+    (port,) = free_ports(1)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"No Ray cluster answers at 127.0.0.1:{port} \\(RAY_ADDRESS\\)"):
+        ray_checks.check_gcs_reachable(f"127.0.0.1:{port}", "RAY_ADDRESS")
+    assert time.monotonic() - start < 5
