@@ -70,7 +70,7 @@ class WeightUpdates:
             from transformers import AutoModelForCausalLM
 
             with torch.device("meta"):
-                hf_model = AutoModelForCausalLM.from_config(model_config.hf_config)
+                hf_model = AutoModelForCausalLM.from_config(model_config.hf_config, trust_remote_code=False)
             shapes.update({n: tuple(p.shape) for n, p in hf_model.named_parameters(remove_duplicate=False)})
         except Exception as exc:  # an architecture transformers cannot build: the checkpoint's names
             logger.warning(
