@@ -35,15 +35,19 @@ class IncrementalDetokenizer:
         # token) and every output token, and the whole decoded text of those.
         self._token_ids: list[int] = []
         self._decoded = ""
+        # The fast path's tokens whose bytes DecodeStream holds back (no whole character yet).
+        self._held: list[int] = []
         if self._stream is None:
             self._token_ids = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
             self._decoded = self._decode(self._token_ids)
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool, finished: bool = False) -> str | None:
         """Add new tokens' text; return the stop string that ended the text, if one did.
 
         `stop_terminated`: the last token is an eos or stop token; its text is left out unless
-        `include_stop_str_in_output` (as vLLM does).
+        `include_stop_str_in_output` (as vLLM does). `finished`: the last update of the request,
+        which also gives the bytes still held back (an output that ends inside a UTF-8
+        character), as U+FFFD the way a whole decode writes them.
         """
         if not self.params.detokenize:
             return None
@@ -52,17 +56,29 @@ class IncrementalDetokenizer:
         old_len = len(self.output_text)
         for token_id in new_token_ids:
             self.output_text += self._decode_next(token_id)
+        if finished:
+            self.output_text += self._held_text()
         return self._find_stop(old_len)
 
     def _decode_next(self, token_id: int) -> str:
         if self._stream is not None:
-            return self._stream.step(self.tokenizer._tokenizer, token_id) or ""
+            text = self._stream.step(self.tokenizer._tokenizer, token_id)
+            if text is None:
+                self._held.append(token_id)
+            elif self._held:
+                self._held.clear()
+            return text or ""
         self._token_ids.append(token_id)
         text = self._decode(self._token_ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         delta, self._decoded = text[len(self._decoded) :], text
         return delta
+
+    def _held_text(self) -> str:
+        if self._stream is not None:
+            return self._decode(self._held) if self._held else ""
+        return self._decode(self._token_ids)[len(self._decoded) :]
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:  # a model folder without a tokenizer: token ids only

@@ -195,7 +195,9 @@ class OutputProcessor:
             )
         # The core finishes with "stop" only on eos or a stop token id (stop strings are ours).
         stop_terminated = output.finish_reason == "stop"
-        stop_string = child.detokenizer.update(output.new_token_ids, stop_terminated)
+        stop_string = child.detokenizer.update(
+            output.new_token_ids, stop_terminated, finished=output.finish_reason is not None
+        )
         completion.text = child.detokenizer.output_text
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         if stop_string is not None:

@@ -19,6 +19,8 @@ Two equal forms of the attention read it:
 - decode, absorbed (section 2.1.3): q_nope_h . k_nope_h = (W_UK_h^T q_nope_h) . c_kv, so the
   query is folded into the latent space and attends over the cached latents directly
   (`mla_decode`), and W_UV is applied to the result. No per-head key or value is materialized.
+  A block-fp8 kv_b_proj is dequantized for this once, and the latent is cached as its fp8
+  input rounds it, so that both forms compute the same (`_as_kv_b_input`).
 
 Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel (whole
 heads per rank), o_proj row-parallel; the down-projections and the latent are replicated.
@@ -39,6 +41,9 @@ from shoal.forward_context import AttentionMetadata, get_forward_context
 from shoal.kernels.concat_and_cache_mla import concat_and_cache_mla
 from shoal.kernels.mla_decode import mla_decode
 from shoal.kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
+from shoal.kernels.per_token_group_quant_fp8 import dequantize_per_token_group, per_token_group_quant_fp8
+from shoal.kernels.scaled_fp8_quant import FP8_DTYPE
+from shoal.kernels.w8a8_block_fp8_matmul import dequantize_block_fp8
 from shoal.layers.kv_cache_spec import KVCacheSpec, mla_spec
 from shoal.layers.layernorm import RMSNorm
 from shoal.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
@@ -64,6 +69,7 @@ class MLAAttention(nn.Module):
         self.rotary_emb = rotary_emb
         # A plain attribute, not a buffer: the runner owns the cache and binds it here.
         self.kv_cache: torch.Tensor | None = None
+        self._kv_b_cache: tuple[tuple[Any, ...], torch.Tensor] | None = None  # see _dequantized_kv_b
 
     def _build_projections(self, config: Any, quant_config: Fp8Config | None, prefix: str) -> None:
         bias, hidden, total_heads = (
@@ -108,12 +114,23 @@ class MLAAttention(nn.Module):
         q = self._query(hidden_states).view(num_tokens, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())  # [num_tokens, kv_lora_rank]
+        kv_c = self._as_kv_b_input(self.kv_a_layernorm(kv_c.contiguous()))  # [num_tokens, kv_lora_rank]
         # The rotary op rotates contiguous rows in place: [num_tokens, num_heads * rope] and [num_tokens, rope].
         q_pe, k_pe = self.rotary_emb(positions, q_pe.reshape(num_tokens, -1), k_pe.contiguous())
         q_pe = q_pe.view(num_tokens, self.num_heads, self.qk_rope_head_dim)
         out = self._attention(q_nope, q_pe, kv_c, k_pe)  # [num_tokens, num_heads, v_head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
+
+    def _as_kv_b_input(self, kv_c: torch.Tensor) -> torch.Tensor:
+        """The latent as kv_b_proj reads it. A block-fp8 kv_b_proj rounds its input to fp8 per
+        token and group; the latent is cached so rounded, and the absorbed decode, which never
+        runs kv_b_proj on it, then computes what the expanded form computes (DeepSeek's "naive"
+        attention), so an output does not depend on which tokens were prefilled and which
+        decoded. Rounding again in the expanded form's GEMM changes nothing."""
+        if self.kv_b_proj.weight.dtype != FP8_DTYPE:
+            return kv_c
+        group_size = self.kv_b_proj.linear_method.block_size[1]
+        return dequantize_per_token_group(*per_token_group_quant_fp8(kv_c, group_size), group_size).to(kv_c.dtype)
 
     def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """-> [num_tokens, num_heads * qk_head_dim]."""
@@ -195,7 +212,7 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """One new token per request, attending over the cached latents: q_nope [R, H, nope],
         q_pe [R, H, rope] -> [R, H, v]."""
-        w_uk, w_uv = self._up_projections()  # [H, nope, rank], [H, v, rank]
+        w_uk, w_uv = self._up_projections(q_nope.dtype)  # [H, nope, rank], [H, v, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [R, H, rank]
         query = torch.cat((q_latent, q_pe), dim=-1)  # [R, H, rank + rope]
         assert self.kv_cache is not None
@@ -204,14 +221,30 @@ class MLAAttention(nn.Module):
         )
         return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [R, H, v]
 
-    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _up_projections(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, rank] and W_UV [H, v, rank]: views of this rank's kv_b_proj weight
-        (views, so an in-place weight update reaches them)."""
+        (views, so an in-place weight update reaches them), or of its dequantized copy when the
+        weight is block-wise fp8."""
         weight = self.kv_b_proj.weight
-        if not weight.dtype.is_floating_point or weight.element_size() < 2:
-            raise NotImplementedError("absorbed MLA decode needs kv_b_proj in the model's float dtype")
+        if weight.dtype == FP8_DTYPE:
+            weight = self._dequantized_kv_b(dtype)
         per_head = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return per_head[:, : self.qk_nope_head_dim], per_head[:, self.qk_nope_head_dim :]
+
+    def _dequantized_kv_b(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's fp8 blocks times their scales, in the activations' dtype, made once and
+        again only after the weight or its scales change in place (torch counts such writes in
+        `_version`). The absorbed product needs the matrix itself, not a GEMM with it; DeepSeek-V3
+        keeps this one matrix per layer in bf16 this way (128 heads x 256 x 512, 32 MiB)."""
+        weight, scale_inv = self.kv_b_proj.weight, self.kv_b_proj.weight_scale_inv
+        key = (weight.data_ptr(), weight._version, scale_inv.data_ptr(), scale_inv._version, dtype)
+        if self._kv_b_cache is None or self._kv_b_cache[0] != key:
+            block_size = self.kv_b_proj.linear_method.block_size
+            dequantized = dequantize_block_fp8(weight, scale_inv, block_size).to(dtype)
+            if self._kv_b_cache is not None and self._kv_b_cache[1].dtype == dtype:
+                dequantized = self._kv_b_cache[1].copy_(dequantized)  # in place: captured graphs read it
+            self._kv_b_cache = (key, dequantized)
+        return self._kv_b_cache[1]
 
     def extra_repr(self) -> str:
         return (

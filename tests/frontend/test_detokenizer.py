@@ -125,3 +125,16 @@ def test_sentencepiece_continuation_spacing(sentencepiece_tokenizer: Any, text: 
     expected = whole[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
     detok = stream(SlowTokenizer(tokenizer) if slow else tokenizer, prompt, output, SamplingParams())
     assert detok.output_text == expected
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_an_output_ending_inside_a_character_ends_as_a_whole_decode_does(demo_tokenizer: Any, slow: bool) -> None:
+    ids = demo_tokenizer.encode("ok 你")
+    cut = ids[:-1]  # the last character's bytes stop short
+    assert demo_tokenizer.decode(cut).endswith("\ufffd")
+    tokenizer = SlowTokenizer(demo_tokenizer) if slow else demo_tokenizer
+    detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
+    detok.update(cut[:-1], stop_terminated=False)
+    assert "\ufffd" not in detok.text_delta(finished=False)
+    detok.update(cut[-1:], stop_terminated=False, finished=True)
+    assert detok.output_text == demo_tokenizer.decode(cut)

@@ -30,6 +30,7 @@ from shoal.kernels.fused_moe_block_fp8 import fake_quant_per_token_group
 from shoal.kernels.w8a8_block_fp8_matmul import dequantize_block_fp8, quantize_block_fp8
 
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+LINEAR_LAYERS += ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's MLA
 STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 

@@ -1,5 +1,5 @@
 """Block-wise fp8 models end to end (DeepSeek-V3's checkpoint layout, in 16 x 16 blocks on the
-tiny checkpoints): a dense Llama and a Qwen2-MoE (routed experts stored per expert, as
+tiny checkpoints): DeepSeek-V3 itself (MLA), a dense Llama and a Qwen2-MoE (routed experts stored per expert, as
 DeepSeek-V3 stores them, plus a shared expert and a dense layer) written by
 tests/models/block_fp8_checkpoints.py, against transformers on the dequantized weights with
 activations rounded as shoal rounds them: prefill logits, and greedy tokens with their logprobs
@@ -37,9 +37,13 @@ NUM_NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def block_fp8_checkpoints(tiny_checkpoints, moe_checkpoints, tmp_path_factory) -> dict[str, Path]:
+def block_fp8_checkpoints(tiny_checkpoints, moe_checkpoints, deepseek_checkpoints, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("block-fp8")
-    sources = {"llama": tiny_checkpoints["llama"], "qwen2_moe": moe_checkpoints["qwen2_moe"]}
+    sources = {
+        "llama": tiny_checkpoints["llama"],
+        "qwen2_moe": moe_checkpoints["qwen2_moe"],
+        "deepseek_v3": deepseek_checkpoints["deepseek_v3"],
+    }
     return {kind: write_block_fp8_checkpoint(src, folder / kind, BLOCK) for kind, src in sources.items()}
 
 
@@ -118,6 +122,23 @@ def test_engine_greedy_decode_tracks_hf(block_fp8_checkpoints, kind):
     llm = LLM(str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=8, multiprocess=False)
     try:
         check_engine_tracks_hf(llm, path)
+    finally:
+        llm.shutdown()
+
+
+def test_deepseek_v3_in_block_fp8_tracks_hf_with_absorbed_decodes(block_fp8_checkpoints):
+    """DeepSeek-V3 as it ships (every MLA projection, expert and dense MLP in fp8 blocks): the
+    prefill runs MLA expanded, with kv_b_proj a block-fp8 GEMM; the decodes run absorbed on
+    kv_b_proj dequantized once into W_UK and W_UV, over latents cached as kv_b_proj's fp8 input
+    rounds them, so both forms compute what transformers computes (expanded, every linear
+    layer's input rounded). The bounds are the dense and MoE models'."""
+    path = block_fp8_checkpoints["deepseek_v3"]
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=16, max_num_seqs=8, multiprocess=False)
+    try:
+        attention = llm.engine_core.core.executor.worker.model_runner.model.model.layers["0"].self_attn
+        assert attention.kv_b_proj.weight.dtype == FP8_DTYPE
+        check_engine_tracks_hf(llm, path)
+        assert attention._kv_b_cache is not None  # the absorbed decode ran on the dequantized copy
     finally:
         llm.shutdown()
 
