@@ -4,7 +4,8 @@ seconds rather than after a hang:
 - a cluster address whose control store (GCS) is gone (`check_gcs_reachable`, `stale_local_address`);
 - a worker node whose Python, torch or shoal differs from the driver's, a model folder missing
   on a node, a GPU the worker actor cannot see (`environment_problems`, run in each worker);
-- a torch.distributed group whose set-up fails or does not finish (`distributed_setup_message`).
+- a torch.distributed group whose set-up fails or does not finish (`distributed_setup_message`);
+- a placement group that no node set of the cluster can hold (`infeasible_placement_message`).
 """
 
 from __future__ import annotations
@@ -130,3 +131,38 @@ def stale_local_address() -> str | None:
     if address and not gcs_answers(address):
         return address
     return None
+
+
+@dataclass(frozen=True)
+class NodeResources:
+    address: str
+    total: dict[str, float]
+    free: dict[str, float]
+
+
+def infeasible_placement_message(
+    bundle: dict[str, float], num_bundles: int, strategy: str, nodes: list[NodeResources]
+) -> str | None:
+    """Why `num_bundles` bundles of `bundle` can never be placed with `strategy` on these nodes,
+    even were they idle (None: they can be). Ray would wait for such a group forever."""
+    fits = [min(int(node.total.get(name, 0.0) // amount) for name, amount in bundle.items()) for node in nodes]
+    if strategy == "STRICT_PACK":
+        feasible, rule = max(fits, default=0) >= num_bundles, f"one node that holds all {num_bundles}"
+    elif strategy == "STRICT_SPREAD":
+        feasible, rule = sum(f >= 1 for f in fits) >= num_bundles, f"{num_bundles} nodes that hold one each"
+    else:
+        feasible, rule = sum(fits) >= num_bundles, f"room for {num_bundles} over all nodes"
+    if feasible:
+        return None
+    lines = [
+        f"  {node.address}: "
+        + ", ".join(f"{name} {node.total.get(name, 0.0):g} ({node.free.get(name, 0.0):g} free)" for name in bundle)
+        + f": {fit} bundle(s)"
+        for node, fit in zip(nodes, fits)
+    ]
+    return (
+        f"The cluster can never place {num_bundles} worker bundles {bundle} with placement strategy {strategy} "
+        f"(it needs {rule}); its nodes:\n" + "\n".join(lines) + "\n"
+        "Add nodes with these resources (cluster/start_worker.sh), choose another --placement-strategy, "
+        "or lower tensor_parallel_size x pipeline_parallel_size."
+    )

@@ -103,6 +103,9 @@ def reserve_placement_group(
         raise ValueError("bundle_indices needs a placement group: pass placement_group, or start shoal inside one")
     bundles = [dict(bundle) for _ in range(num_workers)]
     strategy = parallel.placement_strategy if parallel is not None else "PACK"
+    problem = ray_checks.infeasible_placement_message(bundle, num_workers, strategy, cluster_nodes())
+    if problem is not None:
+        raise RuntimeError(problem)
     group = ray.util.placement_group(bundles, strategy=strategy, name=f"shoal-{uuid.uuid4().hex[:12]}")
     try:
         wait_for_placement_group(group, bundles, timeout_s)
@@ -110,6 +113,26 @@ def reserve_placement_group(
         ray.util.remove_placement_group(group)
         raise
     return group, driver_node_first(group, list(range(num_workers))), True
+
+
+def cluster_nodes() -> list[ray_checks.NodeResources]:
+    """The alive nodes, each with its resources and what is free of them."""
+    try:
+        from ray._private.state import available_resources_per_node  # no public per-node view
+
+        free = available_resources_per_node()
+    except (ImportError, AttributeError):
+        free = {}
+    return [
+        ray_checks.NodeResources(
+            address=f"node {node['NodeID'][:8]} at {node['NodeManagerAddress']}"
+            + (" (head)" if "node:__internal_head__" in node["Resources"] else ""),
+            total=node["Resources"],
+            free=free.get(node["NodeID"], {}),
+        )
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
 
 
 def resolve_placement_group(group: Any) -> PlacementGroup | None:

@@ -1,8 +1,8 @@
 """Soak: 64 concurrent streams against the shared demo-model server for `SHOAL_SOAK_SECONDS`
-(15 s by default, after a warm-up round that touches the KV cache's pages; the `slow` variant
-runs 300 s): random client cancellations mid-stream, mixed lengths, n > 1, unicode stop strings
-and a shared prompt prefix. Zero errors, zero KV blocks in use at the end, and the RSS of the
-frontend and the engine-core process flat within 10% from the warm-up's end to the end."""
+(60 s in `make test`, after a warm-up round that touches the KV cache's pages; the `soak`
+variant, `pytest -m soak`, runs `SHOAL_SOAK_LONG_SECONDS`, 600 by default): random client
+cancellations mid-stream, mixed lengths, n > 1, unicode stop strings and a shared prompt prefix. Zero errors, zero KV blocks in use at the end, and the RSS of the
+frontend and the engine-core process flat within 10% over the run (see `soak`)."""
 
 from __future__ import annotations
 
@@ -71,25 +71,45 @@ async def _soak(url: str, duration_s: float, seed: int) -> list[str]:
     return errors
 
 
+async def _sample_rss(pids: dict[str, int], every_s: float, samples: dict[str, list[int]]) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        for name, pid in pids.items():
+            samples[name].append(rss_bytes(pid))
+
+
+async def _soak_sampled(url: str, duration_s: float, pids: dict[str, int]) -> tuple[list[str], dict[str, list[int]]]:
+    samples: dict[str, list[int]] = {name: [] for name in pids}
+    sampler = asyncio.ensure_future(_sample_rss(pids, duration_s / 10, samples))
+    try:
+        return await _soak(url, duration_s, seed=1), samples
+    finally:
+        sampler.cancel()
+
+
 def soak(server: ServerProcess, duration_s: float) -> None:
+    """The RSS is sampled ten times over the run; flat means the peak of the last third within
+    10% of the peak of the first third. (A leak grows with the requests served; the first
+    sample after warm-up is no baseline, as the engine's allocator reaches its working set only
+    some seconds into full load: measured, 1165 MiB at the warm-up's end, 1248 to 1372 MiB over
+    the next 120 s, without a trend.)"""
     assert server.engine_core_pid is not None
     pids = {"frontend": server.process.pid, "engine core": server.engine_core_pid}
     warm_up_errors = asyncio.run(_soak(server.url, min(10.0, duration_s / 2), seed=0))
-    start_rss = {name: rss_bytes(pid) for name, pid in pids.items()}
-    errors = warm_up_errors + asyncio.run(_soak(server.url, duration_s, seed=1))
-    end_rss = {name: rss_bytes(pid) for name, pid in pids.items()}
-    assert not errors, errors[:5]
+    errors, samples = asyncio.run(_soak_sampled(server.url, duration_s, pids))
+    assert not warm_up_errors + errors, (warm_up_errors + errors)[:5]
     server.wait_for_metric(USED_BLOCKS, 0, timeout_s=30)
-    for name in pids:
-        growth = end_rss[name] / start_rss[name] - 1
-        print(f"{name}: RSS {start_rss[name] / 2**20:.0f} -> {end_rss[name] / 2**20:.0f} MiB ({growth:+.1%})")
-        assert growth < 0.10, (name, start_rss[name], end_rss[name])
+    for name, values in samples.items():
+        print(f"{name} RSS every {duration_s / 10:g} s (MiB): {[round(v / 2**20) for v in values]}")
+        third = max(1, len(values) // 3)
+        first, last = max(values[:third]), max(values[-third:])
+        assert last / first - 1 < 0.10, (name, first, last)
 
 
 def test_soak(server: ServerProcess) -> None:
-    soak(server, float(os.environ.get("SHOAL_SOAK_SECONDS", "15")))
+    soak(server, float(os.environ.get("SHOAL_SOAK_SECONDS", "60")))
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_soak_long(server: ServerProcess) -> None:
-    soak(server, float(os.environ.get("SHOAL_SOAK_LONG_SECONDS", "300")))
+    soak(server, float(os.environ.get("SHOAL_SOAK_LONG_SECONDS", "600")))

@@ -38,3 +38,25 @@ def test_a_dead_gcs_address_fails_at_once() -> None:
     with pytest.raises(ConnectionError, match=f"No Ray cluster answers at 127.0.0.1:{port} \\(RAY_ADDRESS\\)"):
         ray_checks.check_gcs_reachable(f"127.0.0.1:{port}", "RAY_ADDRESS")
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(
+    ("strategy", "num_bundles", "rule"),
+    [
+        ("STRICT_SPREAD", 3, "3 nodes that hold one each"),
+        ("STRICT_PACK", 3, "one node that holds all 3"),
+        ("PACK", 5, "room for 5 over all nodes"),
+        ("SPREAD", 5, "room for 5 over all nodes"),
+    ],
+)
+def test_a_placement_no_node_set_can_hold_is_named_with_each_node(strategy: str, num_bundles: int, rule: str) -> None:
+    nodes = [
+        ray_checks.NodeResources("node a", {"CPU": 2.0}, {"CPU": 1.0}),
+        ray_checks.NodeResources("node b", {"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0}),
+    ]
+    message = ray_checks.infeasible_placement_message({"CPU": 1.0}, num_bundles, strategy, nodes)
+    assert message is not None and f"with placement strategy {strategy} (it needs {rule})" in message
+    assert "  node a: CPU 2 (1 free): 2 bundle(s)" in message and "  node b: CPU 2 (2 free): 2 bundle(s)" in message
+    feasible = {"STRICT_SPREAD": 2, "STRICT_PACK": 2, "PACK": 4, "SPREAD": 4}[strategy]
+    assert ray_checks.infeasible_placement_message({"CPU": 1.0}, feasible, strategy, nodes) is None
+    assert ray_checks.infeasible_placement_message({"GPU": 1.0}, 1, strategy, nodes) is None
