@@ -60,3 +60,13 @@ def test_a_placement_no_node_set_can_hold_is_named_with_each_node(strategy: str,
     feasible = {"STRICT_SPREAD": 2, "STRICT_PACK": 2, "PACK": 4, "SPREAD": 4}[strategy]
     assert ray_checks.infeasible_placement_message({"CPU": 1.0}, feasible, strategy, nodes) is None
     assert ray_checks.infeasible_placement_message({"GPU": 1.0}, 1, strategy, nodes) is None
+
+
+def test_a_cuda_worker_actor_without_a_gpu_says_so(ray_cluster: dict, tmp_path: Path) -> None:
+    """Provoked for real: a worker task that would run on CUDA, on a node Ray gave no GPU."""
+    import ray
+
+    check = ray.remote(num_cpus=0)(ray_checks.environment_problems)
+    problems = ray.get(check.remote(ray_checks.local_versions(), str(tmp_path), "cuda"), timeout=120)
+    assert len(problems) == 1 and "no usable GPU in the worker actor (Ray assigned none" in problems[0]
+    assert "ray start --num-gpus=N" in problems[0] and "do not set CUDA_VISIBLE_DEVICES" in problems[0]
