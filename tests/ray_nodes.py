@@ -132,17 +132,21 @@ class LocalCluster:
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.temp_dir.glob("*.log")))
 
-    def stop(self) -> None:
-        """SIGTERM to each `ray start --block` stops the Ray processes of its node; the agents it
-        leaves behind (they outlive their raylet) are found by their files in this temp dir."""
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to each `ray start --block` stops the Ray processes of its node, given
+        `grace_s` in all (a graceful stop of a loaded node can take half a minute, and nothing
+        here needs it graceful); then SIGKILL. The agents it leaves behind (they outlive their
+        raylet) are found by their files in this temp dir."""
         for process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for process in reversed(self.processes):
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # its own session, started here
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)  # its own session, started here
                 process.wait()
         for pid in self.leftover_pids():
             with contextlib.suppress(ProcessLookupError):

@@ -18,7 +18,7 @@ from tests.ray_nodes import REPO, LocalCluster
 NUM_LINES = 200
 MAX_TOKENS = 3
 # Few sequences at a time, so that the results arrive over many steps and a stop lands midway.
-MAX_NUM_SEQS = "2"
+MAX_NUM_SEQS = "4"
 
 
 def _write_requests(path: Path, model: str) -> None:

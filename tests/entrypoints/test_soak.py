@@ -95,7 +95,7 @@ def soak(server: ServerProcess, duration_s: float) -> None:
     the next 120 s, without a trend.)"""
     assert server.engine_core_pid is not None
     pids = {"frontend": server.process.pid, "engine core": server.engine_core_pid}
-    warm_up_errors = asyncio.run(_soak(server.url, min(10.0, duration_s / 2), seed=0))
+    warm_up_errors = asyncio.run(_soak(server.url, min(5.0, duration_s / 2), seed=0))
     errors, samples = asyncio.run(_soak_sampled(server.url, duration_s, pids))
     assert not warm_up_errors + errors, (warm_up_errors + errors)[:5]
     server.wait_for_metric(USED_BLOCKS, 0, timeout_s=30)

@@ -23,9 +23,22 @@ def test_cpu_workers_get_one_thread_each(monkeypatch: pytest.MonkeyPatch) -> Non
     assert ray_utils.worker_bundle("cuda") == {"GPU": 1.0}
 
 
-def test_placement_group_timeout_names_the_missing_resources(ray_cluster: dict) -> None:
-    with pytest.raises(RuntimeError, match=r"CPU: 64 needed, 4 in the cluster"):
-        ray_utils.reserve_placement_group(64, "cpu", timeout_s=1.0)
+def test_a_placement_the_cluster_can_never_hold_fails_at_once(ray_cluster: dict) -> None:
+    with pytest.raises(RuntimeError, match=r"can never place 64 worker bundles") as error:
+        ray_utils.reserve_placement_group(64, "cpu", timeout_s=60.0)
+    assert "(head): CPU 4 (" in str(error.value) and ": 4 bundle(s)" in str(error.value)
+
+
+def test_a_placement_held_by_others_times_out_naming_the_missing_resources(ray_cluster: dict) -> None:
+    import ray
+
+    holder = ray.util.placement_group([{"CPU": 1.0}] * 3)  # another job's group, holding 3 of 4 CPUs
+    ray.get(holder.ready(), timeout=60)
+    try:
+        with pytest.raises(RuntimeError, match=r"CPU: 2 needed, 4 in the cluster, 1 free"):
+            ray_utils.reserve_placement_group(2, "cpu", timeout_s=1.0)
+    finally:
+        ray.util.remove_placement_group(holder)
 
 
 def test_engine_inside_a_ray_actor_uses_the_actors_placement_group(ray_cluster: dict, tiny_checkpoints: dict) -> None:

@@ -27,12 +27,14 @@ def check_gumbel_sampler(
             failures.append(f"T={temperature}: frequencies {counts / num_rows} vs {expected} (max error {error:.3f})")
         if counts[5] != 0:
             failures.append(f"T={temperature}: a -inf logit was sampled")
-        again = torch.empty_like(out)
-        sample(again, logits, temperatures, 1234)
-        if not torch.equal(out, again):
+        # Seeds, on the first rows only (the same rows draw the same way in a shorter batch).
+        rows = min(num_rows, 32)
+        again = torch.empty_like(out[:rows])
+        sample(again, logits[:rows], temperatures[:rows], 1234)
+        if not torch.equal(out[:rows], again):
             failures.append(f"T={temperature}: the same seed gave different samples")
-        sample(again, logits, temperatures, 4321)
-        if torch.equal(out, again):
+        sample(again, logits[:rows], temperatures[:rows], 4321)
+        if torch.equal(out[:rows], again):
             failures.append(f"T={temperature}: another seed gave the same samples")
     return failures
 
