@@ -1,10 +1,10 @@
-# shoal: make demo | make serve | make test | make lint | make kernels | make bench-scheduler
+# shoal: make demo | make serve | make test | make test-cluster | make lint | make kernels | make bench-scheduler
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test lint kernels bench-scheduler clean
+.PHONY: install demo serve test test-cluster lint kernels bench-scheduler clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ serve: install
 
 test: install
 	$(BIN)/python -m pytest -q -ra tests
+
+# Several Ray nodes on this machine (tests/cluster/): batch jobs, Ray Serve, placement, failures.
+test-cluster: install
+	$(BIN)/python -m pytest -q -ra -m cluster tests/cluster
 
 lint: install
 	$(BIN)/ruff check shoal tests examples benchmarks

@@ -12,8 +12,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from shoal.cli import main as shoal_main
 from tests.ray_nodes import REPO, LocalCluster
+
+pytestmark = pytest.mark.cluster  # make test-cluster
 
 NUM_LINES = 200
 MAX_TOKENS = 3

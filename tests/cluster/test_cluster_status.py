@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.ray_nodes import LocalCluster
+
+pytestmark = pytest.mark.cluster  # make test-cluster
 
 
 def _status(cluster: LocalCluster, *flags: str) -> subprocess.CompletedProcess:

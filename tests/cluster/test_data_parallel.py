@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shoal.cli import main as shoal_main
 from tests.cluster.test_batch_job import _texts, _write_requests
 from tests.ray_nodes import LocalCluster
+
+pytestmark = pytest.mark.cluster  # make test-cluster
 
 
 def test_two_replicas_equal_one(three_nodes: LocalCluster, tiny_checkpoints: dict, tmp_path: Path) -> None:

@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.ray_nodes import LocalCluster, free_ports
+
+pytestmark = pytest.mark.cluster  # make test-cluster
 
 CLEAR_ERROR_S = 30.0
 

@@ -19,6 +19,8 @@ import pytest
 from tests.cluster.test_batch_job import _job_logs, _job_status, _stop_job, engines, submit
 from tests.ray_nodes import LocalCluster, free_ports
 
+pytestmark = pytest.mark.cluster  # make test-cluster
+
 SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2)]
 
 

@@ -70,3 +70,16 @@ def test_a_cuda_worker_actor_without_a_gpu_says_so(ray_cluster: dict, tmp_path: 
     problems = ray.get(check.remote(ray_checks.local_versions(), str(tmp_path), "cuda"), timeout=120)
     assert len(problems) == 1 and "no usable GPU in the worker actor (Ray assigned none" in problems[0]
     assert "ray start --num-gpus=N" in problems[0] and "do not set CUDA_VISIBLE_DEVICES" in problems[0]
+
+
+def test_a_process_group_on_a_missing_interface_names_the_variables(
+    ray_cluster: dict, tiny_checkpoints: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Provoked for real: GLOO_SOCKET_IFNAME names no interface, so the TP=2 group cannot form."""
+    from shoal import LLM
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")  # forwarded to every worker
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="GLOO_SOCKET_IFNAME='bogus0'") as error:
+        LLM(str(tiny_checkpoints["llama"]), tensor_parallel_size=2, multiprocess=False)
+    assert "NCCL_SOCKET_IFNAME" in str(error.value) and time.monotonic() - start < 30

@@ -3,9 +3,9 @@ cluster/start_worker.sh (separate `ray start` processes, one CPU each, so that t
 bundles must spread), then shoal with TP=2 connecting to it by address: one worker on each node,
 the same tokens as one process.
 
-The cluster is this test's own (its own temp dir and ports), torn down at the end by stopping
-the two `ray start --block` processes this test started; the session's shared cluster is left
-alone, and the driver runs in a subprocess because Ray allows one cluster per process.
+The cluster is this test's own (its own temp dir and ports; one CPU a node, unlike the folder's
+three-node cluster), torn down at the end by stopping the two `ray start --block` processes this
+test started; the session's shared cluster is left alone, and the driver runs in a subprocess because Ray allows one cluster per process.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,34 +23,11 @@ from pathlib import Path
 import pytest
 
 from shoal import LLM, SamplingParams
+from tests.ray_nodes import REPO, free_ports, node_port_flags
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.cluster  # make test-cluster
+
 NUM_NEW_TOKENS = 8
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _node_port_flags() -> list[str]:
-    """Every port a node listens on, chosen free, so that two nodes (and the session's cluster)
-    can share one machine."""
-    names = (
-        "node-manager-port",
-        "object-manager-port",
-        "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port",
-        "metrics-export-port",
-        "runtime-env-agent-port",
-    )
-    return [f"--{name}={port}" for name, port in zip(names, _free_ports(len(names)))]
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -70,7 +46,7 @@ def _stop(process: subprocess.Popen) -> None:
 def two_node_cluster() -> Iterator[tuple[str, dict[str, str], Path]]:
     """(address, environment for drivers, folder of the nodes' logs) of a fresh two-node cluster."""
     temp_dir = tempfile.mkdtemp(prefix="shoal-ray-")  # short: Ray's socket paths must fit 107 bytes
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(
         RAY_AUTH_MODE="disabled",
@@ -78,14 +54,14 @@ def two_node_cluster() -> Iterator[tuple[str, dict[str, str], Path]]:
         RAY_PORT=str(port),
         SHOAL_LOGGING_LEVEL="WARNING",
     )
-    common = ["--block", "--num-cpus=1", "--include-dashboard=false", *_node_port_flags()]
+    common = ["--block", "--num-cpus=1", "--include-dashboard=false", *node_port_flags()]
     processes = []
     try:
         with open(Path(temp_dir) / "head.log", "w") as log:
             head = [str(REPO / "cluster/start_head.sh"), f"--temp-dir={temp_dir}", *common]
             processes.append(subprocess.Popen(head, env=env, stdout=log, stderr=log, start_new_session=True))
         address = f"{_node_ip()}:{port}"
-        common = ["--block", "--num-cpus=1", '--resources={"node2": 1}', *_node_port_flags()]
+        common = ["--block", "--num-cpus=1", '--resources={"node2": 1}', *node_port_flags()]
         with open(Path(temp_dir) / "worker.log", "w") as log:
             worker = [str(REPO / "cluster/start_worker.sh"), address, f"--temp-dir={temp_dir}", *common]
             processes.append(subprocess.Popen(worker, env=env, stdout=log, stderr=log, start_new_session=True))
@@ -111,7 +87,7 @@ def test_tp2_spreads_over_two_nodes(two_node_cluster: tuple[str, dict[str, str],
     expected = expected_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
     expected_llm.shutdown()
 
-    driver = [sys.executable, str(REPO / "tests/executors/multi_node_driver.py")]
+    driver = [sys.executable, str(REPO / "tests/cluster/multi_node_driver.py")]
     run = subprocess.run(
         [*driver, address, path, json.dumps(prompt), str(NUM_NEW_TOKENS)],
         env=env,
