@@ -110,6 +110,10 @@ def test_soak(server: ServerProcess) -> None:
     soak(server, float(os.environ.get("SHOAL_SOAK_SECONDS", "60")))
 
 
+LONG_SOAK_S = float(os.environ.get("SHOAL_SOAK_LONG_SECONDS", "600"))
+
+
 @pytest.mark.soak
+@pytest.mark.timeout(LONG_SOAK_S + 300)  # the warm-up, the drain and the server's start beside it
 def test_soak_long(server: ServerProcess) -> None:
-    soak(server, float(os.environ.get("SHOAL_SOAK_LONG_SECONDS", "600")))
+    soak(server, LONG_SOAK_S)
