@@ -153,8 +153,15 @@ def clamp_logprob(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
+# Characters JSON leaves raw that `str.splitlines` (so httpx's `aiter_lines`, and many SSE clients)
+# takes for line ends, cutting an event in two; SSE itself ends lines only at CR and LF.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload, separators=(",", ":"))
+    if not data.isascii():  # the escapes are JSON's own, so the event parses to the same text
+        data = data.translate(_LINE_BREAKS_JSON_KEEPS)
     return f"data: {data}\n\n"
 
 
