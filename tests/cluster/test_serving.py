@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -24,19 +25,20 @@ pytestmark = pytest.mark.cluster  # make test-cluster
 SMALL_ENGINE = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2)]
 
 
-def _wait_for_health(url: str, timeout_s: float, alive: object = None) -> None:
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _wait_for_health(url: str, timeout_s: float, still_running: Callable[[], None]) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        if callable(alive):
-            alive()
+    while not _healthy(url):
+        assert time.monotonic() < deadline, f"{url} did not become healthy in {timeout_s} s"
+        still_running()
         time.sleep(1)
-    raise AssertionError(f"{url} did not become healthy in {timeout_s} s")
 
 
 def _answers(url: str, model: str) -> str:
@@ -111,14 +113,6 @@ def two_replicas(three_nodes: LocalCluster, demo_model_path: str, tmp_path: Path
         except subprocess.TimeoutExpired:
             driver.kill()
             driver.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def test_two_replicas_survive_the_loss_of_one(three_nodes: LocalCluster, two_replicas: str) -> None:

@@ -1,8 +1,9 @@
 """Soak: 64 concurrent streams against the shared demo-model server for `SHOAL_SOAK_SECONDS`
 (60 s in `make test`, after a warm-up round that touches the KV cache's pages; the `soak`
 variant, `pytest -m soak`, runs `SHOAL_SOAK_LONG_SECONDS`, 600 by default): random client
-cancellations mid-stream, mixed lengths, n > 1, unicode stop strings and a shared prompt prefix. Zero errors, zero KV blocks in use at the end, and the RSS of the
-frontend and the engine-core process flat within 10% over the run (see `soak`)."""
+cancellations mid-stream, mixed lengths, n > 1, unicode stop strings and a shared prompt prefix.
+Zero errors, zero KV blocks in use at the end, and the RSS of the frontend and the engine-core
+process flat within 10% over the run (see `soak`)."""
 
 from __future__ import annotations
 
