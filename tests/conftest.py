@@ -10,7 +10,24 @@ from tests.checkpoints import DEEPSEEK_KINDS, KINDS, MOE_KINDS, make_checkpoint
 
 # The GPU machine has no OpenAI client, and its suite (`-m gpu`) has no test in these modules;
 # CI installs the client, so there they are always collected.
-collect_ignore = ["entrypoints", "bench/test_bench_serve.py"] if importlib.util.find_spec("openai") is None else []
+collect_ignore = ["entrypoints", "bench/test_bench_serve.py", "cluster/test_serving.py"] if importlib.util.find_spec("openai") is None else []
+
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Print a failure's traceback as soon as it happens, not in the end summary: a device call
+    cut at its time limit, or a process killed by a crash, would otherwise say only FAILED."""
+    if report.failed and _terminal is not None:
+        _terminal.write_line(f"\n---- {report.nodeid} ({report.when})\n{report.longreprtext}\n----")
+
+
+_terminal = None
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
+def pytest_configure(config: pytest.Config) -> None:
+    global _terminal
+    _terminal = config.pluginmanager.get_plugin("terminalreporter")
 
 
 @pytest.fixture(scope="session")
