@@ -10,8 +10,11 @@ from tests.checkpoints import DEEPSEEK_KINDS, KINDS, MOE_KINDS, make_checkpoint
 
 # The GPU machine has no OpenAI client, and its suite (`-m gpu`) has no test in these modules;
 # CI installs the client, so there they are always collected.
-collect_ignore = ["entrypoints", "bench/test_bench_serve.py", "cluster/test_serving.py"] if importlib.util.find_spec("openai") is None else []
-
+collect_ignore = (
+    ["entrypoints", "bench/test_bench_serve.py", "cluster/test_serving.py"]
+    if importlib.util.find_spec("openai") is None
+    else []
+)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
