@@ -210,8 +210,11 @@ class ModelRunner:
 
     def _dummy_step(self, num_tokens: int) -> None:
         """A forward over `num_tokens` prompt tokens that writes no KV (slots -1) and reads a
-        one-block scratch cache, then logits and a top-p sampler pass over up to max_num_seqs rows."""
+        one-block scratch cache, then logits and a top-p sampler pass over up to max_num_seqs rows.
+        No step holds more than max_num_seqs sequences of max_model_len tokens, so neither does
+        this one (the step buffers have room for max_num_seqs sequences)."""
         max_len = self.model_config.max_model_len
+        num_tokens = min(num_tokens, self.config.scheduler_config.max_num_seqs * max_len)
         query_lens = np.array([min(max_len, num_tokens - i) for i in range(0, num_tokens, max_len)])
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
         positions = np.concatenate([np.arange(n) for n in query_lens])

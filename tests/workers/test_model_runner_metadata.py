@@ -125,3 +125,15 @@ def test_a_plain_batch_brings_its_sampling_metadata_with_its_inputs(
     metadata = runner.sampling_metadata(inputs, states, 50)
     assert torch.equal(metadata.temperature, built.temperature) and torch.equal(metadata.greedy, built.greedy)
     assert (metadata.all_greedy, metadata.any_greedy, metadata.top_p is None) == (False, True, plain)
+
+
+def test_profile_step_of_a_short_context_engine_fits_its_sequence_rows(tiny_checkpoints: dict) -> None:
+    """The memory profile's dummy step splits max_num_batched_tokens into max_model_len-long
+    sequences; with few sequences and a short context it keeps to max_num_seqs of them, as a
+    real step must (before, 8,192 tokens of 256 made 32 sequences for 8 rows and start failed)."""
+    config = EngineArgs(
+        str(tiny_checkpoints["llama"]), device="cpu", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=8192
+    ).create_engine_config()
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    runner._dummy_step(config.scheduler_config.max_num_batched_tokens)
