@@ -201,9 +201,15 @@ class ModelShape:
         layer_params = linear_params + active_experts + num_layers * 2 * hidden + hidden  # two norms a layer, one final
         lm_head = vocab * hidden
         dtype_bytes = DTYPE_BYTES[dtype]
-        linear_bytes = DTYPE_BYTES["fp8"] if quantization == "fp8" else dtype_bytes
+        linear_bytes: float = DTYPE_BYTES["fp8"] if quantization == "fp8" else dtype_bytes
+        block = _fp8_weight_block(hf_config) if quantization == "fp8" else None
+        # Block-wise fp8 (DeepSeek-V3's checkpoints) quantizes the routed experts too, and adds
+        # one float32 scale per block; per-tensor fp8 leaves the experts in the model's dtype.
+        expert_bytes: float = dtype_bytes
+        if block is not None:
+            linear_bytes = expert_bytes = DTYPE_BYTES["fp8"] + 4 / (block[0] * block[1])
         norm_params = layer_params - linear_params - active_experts
-        weight_bytes = linear_params * linear_bytes + (norm_params + lm_head) * dtype_bytes
+        weight_bytes = round(linear_params * linear_bytes) + (norm_params + lm_head) * dtype_bytes
         kv_bytes = dtype_bytes if kv_cache_dtype == "auto" else DTYPE_BYTES[kv_cache_dtype]
         return cls(
             num_layers=num_layers,
@@ -219,9 +225,18 @@ class ModelShape:
             num_experts=moe["num_experts"],
             experts_per_token=moe["experts_per_token"],
             expert_params=moe["expert_params"],
-            expert_bytes=moe["expert_params"] * dtype_bytes,  # the experts stay in the model's dtype
+            expert_bytes=round(moe["expert_params"] * expert_bytes),
             flops_per_pair_per_head=mla["flops_per_pair"] if mla else 0,
         )
+
+
+def _fp8_weight_block(hf_config: Any) -> tuple[int, int] | None:
+    """The checkpoint's `weight_block_size` (block-wise fp8), None for per-tensor scales."""
+    quantization_config = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    block = quantization_config.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def _mla_shape(hf_config: Any, hidden: int, num_heads: int) -> dict[str, int] | None:

@@ -97,11 +97,17 @@ class EngineCoreClient(ABC):
 
 class InprocClient(EngineCoreClient):
     core: Any = None
+    _finalizer: weakref.finalize | None = None
 
     def start(self, config: EngineConfig) -> None:
         from shoal.engine_core.engine_core import EngineCore
 
         self.core = EngineCore(config)
+        # The core sits in reference cycles (its executor, worker and model runner point back at
+        # each other), so dropping the client would leave the model and the KV cache to some
+        # later garbage collection: a second engine made right after `del llm` would find the
+        # device still full. The finalizer shuts the core down as soon as the client goes.
+        self._finalizer = weakref.finalize(self, self.core.shutdown)
 
     def wait_until_ready(self) -> None:
         pass  # `start` built the core
@@ -127,8 +133,8 @@ class InprocClient(EngineCoreClient):
         return result
 
     def shutdown(self) -> None:
-        if self.core is not None:
-            self.core.shutdown()
+        if self._finalizer is not None:
+            self._finalizer()  # runs core.shutdown once, however often this is called
 
 
 # ---- the engine-core process and its sockets --------------------------------------------------

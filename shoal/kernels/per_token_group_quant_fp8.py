@@ -54,7 +54,11 @@ def per_token_group_quant_fp8_ref(
     # Zero padding to whole groups changes no amax (and is cut off again below).
     padded = F.pad(input.to(torch.float32), (0, groups * group_size - hidden))
     grouped = padded.reshape(*input.shape[:-1], groups, group_size)  # [..., num_groups, group_size]
-    scales = grouped.abs().amax(dim=-1).clamp(min=eps) / FP8_MAX  # [..., num_groups]
+    # Divided by a tensor, not the Python number: CUDA torch turns division by a host scalar into
+    # multiplication by its reciprocal, a last-bit difference that moves the values sitting on
+    # an e4m3 rounding boundary (common for bfloat16 inputs); the kernel divides in IEEE.
+    fp8_max = torch.tensor(FP8_MAX, dtype=torch.float32, device=input.device)
+    scales = grouped.abs().amax(dim=-1).clamp(min=eps) / fp8_max  # [..., num_groups]
     quantized = (grouped / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     out = quantized.reshape(*input.shape[:-1], groups * group_size)[..., :hidden].contiguous()
     if column_major_scales:

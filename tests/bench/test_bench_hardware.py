@@ -151,6 +151,21 @@ def test_a_moe_step_reads_the_experts_its_tokens_touch() -> None:
     assert shape.weight_bytes_for(4096) == pytest.approx(shape.weight_bytes + 128 * expert_layer_bytes)
 
 
+def test_block_fp8_checkpoints_read_their_experts_in_fp8() -> None:
+    """The 8-layer DeepSeek-V3 ships block-wise fp8: experts and linear layers are one byte a
+    parameter and a float32 scale per 128 x 128 block; norms and the LM head stay bfloat16."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(CONFIGS / "deepseek-v3-8layer")
+    bf16, fp8 = (
+        ModelShape.from_hf_config(config, "bfloat16"),
+        ModelShape.from_hf_config(config, "bfloat16", "auto", "fp8"),
+    )
+    assert bf16.expert_bytes == 2 * bf16.expert_params
+    assert fp8.expert_bytes == round(fp8.expert_params * (1 + 4 / 128**2))
+    assert fp8.lm_head_params * 2 < fp8.weight_bytes < bf16.weight_bytes / 1.5
+
+
 @pytest.mark.parametrize(
     ("name", "num_params", "kv_kib_per_token"),
     [

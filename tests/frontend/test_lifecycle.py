@@ -12,6 +12,7 @@ import asyncio
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -131,3 +132,18 @@ def test_dropped_async_client_with_its_reader_thread_stops_its_process() -> None
     reader.join(timeout=10)
     assert not reader.is_alive()
     assert not psutil.pid_exists(pid)
+
+
+def test_in_process_engine_released_by_del_without_a_collection(tiny_checkpoints: dict) -> None:
+    """An in-process engine's core, worker and model runner point at each other; `del llm`
+    alone (no garbage collection) still releases its model and KV cache, so that a second engine
+    made right after it finds the device free."""
+    llm = LLM(str(tiny_checkpoints["llama"]), multiprocess=False, dtype="float32", max_model_len=128)
+    assert llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    worker = weakref.ref(llm.engine_core.core.executor.worker)
+    gc.disable()
+    try:
+        del llm
+        assert worker() is None or worker().model_runner is None
+    finally:
+        gc.enable()

@@ -35,12 +35,13 @@ def _gpu_case(num_tokens, num_experts, top_k, hidden, intermediate, dtype=torch.
     return x, w13, w2, w13_s, w2_s, topk_weights, topk_ids
 
 
-def _assert_close_to_reference(out, case, expert_map=None):
+def _assert_close_to_reference(out, case, expert_map=None, bar=3e-2):
     """The kernel writes gate_up in bfloat16 before silu and the second quantization, the
-    reference keeps float32: the rounding differs by bfloat16's, and now and then an fp8 step."""
+    reference keeps float32: the rounding differs by bfloat16's, and now and then an fp8 step
+    (one e4m3 step is 6-12% of an entry)."""
     expected = fused_moe_block_fp8_ref(*[t.float() if i == 0 else t for i, t in enumerate(case)], BLOCK, expert_map)
     error = ((out.float() - expected).abs().max() / (expected.abs().max() + 1e-6)).item()
-    assert error < 3e-2, error
+    assert error < bar, error
 
 
 @pytest.mark.gpu
@@ -71,7 +72,10 @@ def test_triton_expert_parallel_on_gpu() -> None:
     expert_map[16:32] = torch.arange(16, dtype=torch.int32, device="cuda")
     local = (x, w13[16:32], w2[16:32], w13_s[16:32], w2_s[16:32], topk_weights, topk_ids)
     out = fused_moe_block_fp8(*local, BLOCK, expert_map)
-    _assert_close_to_reference(out, local, expert_map)
+    # A quarter of the experts are local: a token's output sums one or two experts instead of
+    # six, so an fp8 step of one entry averages out less (0.039 measured on an H200). A wrong
+    # expert or a dropped choice is an error of order 1.
+    _assert_close_to_reference(out, local, expert_map, bar=6e-2)
 
 
 @pytest.mark.gpu

@@ -101,7 +101,9 @@ def _gpu_operands(m: int, n: int, k: int, block_size: tuple[int, int], dtype: to
 def _assert_close_to_reference(out, a, b, a_scale, b_scale, block_size):
     expected = w8a8_block_fp8_matmul_ref(a, b, a_scale, b_scale, block_size, torch.float32)
     error = ((out.float() - expected).abs().max() / (expected.abs().max() + 1e-6)).item()
-    assert error < {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[out.dtype], error
+    # float32 output: Hopper's fp8 tensor cores accumulate a dot in less than float32 precision
+    # (about 14 bits, DeepSeek-V3 report section 3.3.2), which the per-block scaling bounds.
+    assert error < {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 5e-4}[out.dtype], error
 
 
 @pytest.mark.gpu
