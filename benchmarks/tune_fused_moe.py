@@ -10,6 +10,7 @@ engine compiles them all at start-up and never inside a timed run.
     python benchmarks/tune_fused_moe.py --model benchmarks/configs/qwen3-30b-a3b [--tp 2 | --ep 2]
         [--dtype bfloat16] [--search quick|full] [--out-dir shoal/kernels/triton/fused_moe_configs]
     python benchmarks/tune_fused_moe.py --model ... --heuristic   # the heuristic's table, no GPU
+    python benchmarks/tune_fused_moe.py --model ... --update --token-counts 192 256   # re-tune a few
 
 --max-seconds stops the search early: batch sizes not reached keep the heuristic's launch.
 The written file is named E={experts},N={intermediate per rank},device_name={gpu},dtype={dtype}.json;
@@ -173,15 +174,24 @@ def main() -> int:
     parser.add_argument("--heuristic", action="store_true", help="write the heuristic's table without timing")
     parser.add_argument("--max-seconds", type=float, default=480.0)
     parser.add_argument("--summary", default=None, help="write a JSON summary here")
+    parser.add_argument(
+        "--update", action="store_true", help="keep the shape's table file and re-tune only --token-counts"
+    )
     args = parser.parse_args()
 
     shape = shape_of(args.model, args.tp, args.ep)
     device = args.device_name or (device_name(torch.device("cuda")) if torch.cuda.is_available() else "cpu")
+    path = Path(args.out_dir) / config_file_name(shape.num_experts, shape.intermediate, device, args.dtype)
     table = {count: heuristic_launch(count, shape.num_experts, shape.top_k) for count in args.token_counts}
+    kept: dict[int, MoELaunch] = {}
+    if args.update and path.exists():
+        kept = {int(count): MoELaunch.from_json(entry) for count, entry in json.loads(path.read_text()).items()}
+        table = {**kept, **table}
     summary: dict[str, dict] = {}
     if not args.heuristic:
         start, block_ms, gemms = time.perf_counter(), *candidates(args.search)
         dtype, known = getattr(torch, args.dtype), set[MoEGemmConfig]()
+        known.update(g for launch in kept.values() for g in (launch.gate_up, launch.down))
         for count in args.token_counts:
             if time.perf_counter() - start > args.max_seconds:
                 print(f"--max-seconds reached: {count} tokens and more keep the heuristic's launch")
@@ -194,7 +204,6 @@ def main() -> int:
             print(f"{count:6d} tokens: {micros:9.1f} us (heuristic {heuristic_micros:9.1f} us)  {launch}", flush=True)
             del case
             torch.cuda.empty_cache()
-    path = Path(args.out_dir) / config_file_name(shape.num_experts, shape.intermediate, device, args.dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [f'  "{count}": {json.dumps(launch.to_json())}' for count, launch in sorted(table.items())]
     path.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # one batch size a line

@@ -62,7 +62,9 @@ def per_token_group_quant_fp8_ref(
     quantized = (grouped / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     out = quantized.reshape(*input.shape[:-1], groups * group_size)[..., :hidden].contiguous()
     if column_major_scales:
-        scales = scales.t().contiguous().t()
+        # Into the kernel's own layout (`.t().contiguous().t()` keeps row-major strides when a
+        # dimension has size 1, as with one token).
+        scales = _scales_like(input, group_size, True).copy_(scales)
     return out, scales
 
 

@@ -48,6 +48,7 @@ def register_triton_kernels() -> bool:
     from shoal.kernels.triton.per_token_group_quant_fp8 import triton_per_token_group_quant_fp8
     from shoal.kernels.triton.rope_and_cache import triton_rope_and_cache
     from shoal.kernels.triton.sampling import triton_gumbel_sample
+    from shoal.kernels.triton.softmax_topk import triton_softmax_topk
     from shoal.kernels.triton.w8a8_block_fp8_matmul import triton_w8a8_block_fp8_matmul
 
     register_kernel("paged_attention", triton_paged_attention)
@@ -58,6 +59,7 @@ def register_triton_kernels() -> bool:
     register_kernel("mla_decode", triton_mla_decode)
     register_kernel("concat_and_cache_mla", triton_concat_and_cache_mla)
     register_kernel("per_token_group_quant_fp8", triton_per_token_group_quant_fp8)
+    register_kernel("softmax_topk", triton_softmax_topk)
     register_kernel("w8a8_block_fp8_matmul", triton_w8a8_block_fp8_matmul)
     register_kernel("fused_moe_block_fp8", triton_fused_moe_block_fp8)
     return True

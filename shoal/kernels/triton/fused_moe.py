@@ -11,8 +11,8 @@
 3. silu_and_mul (csrc): cache2 [num_entries, I].
 4. down: the same kernel on cache2 (its rows are the entries themselves) and w2, each row
    multiplied in the epilogue by its routing weight (cache3 [num_entries, hidden]).
-5. The top-k reduction: out[t] = sum_j cache3[t * top_k + j], one torch.sum (fp32 accumulation,
-   deterministic: no atomics).
+5. The top-k reduction: out[t] = sum_j cache3[t * top_k + j] (shoal/kernels/triton/moe_sum.py:
+   float32 accumulation, deterministic, no atomics).
 
 Launch configurations (tile sizes, warps, stages) depend on the number of tokens and are read
 ahead of time from the tables in fused_moe_config.py, one per (experts, intermediate size,
@@ -36,6 +36,7 @@ from shoal.kernels.fused_moe import local_expert_ids
 from shoal.kernels.moe_align_block_size import moe_align_block_size
 from shoal.kernels.silu_and_mul import silu_and_mul
 from shoal.kernels.triton.fused_moe_config import MoEGemmConfig, MoELaunch, moe_launch_for
+from shoal.kernels.triton.moe_sum import moe_sum
 
 
 @triton.jit
@@ -219,4 +220,4 @@ def triton_fused_moe(
     alloc = torch.empty if expert_map is None else torch.zeros
     down = alloc(num_entries, hidden, device=device, dtype=dtype)
     invoke_moe_gemm(activated, w2, down, weights, routing, 1, True, launch.block_size_m, launch.down)
-    return down.view(num_tokens, top_k, hidden).sum(dim=1)  # [num_tokens, hidden]
+    return moe_sum(down, top_k)  # [num_tokens, hidden]

@@ -29,6 +29,7 @@ from shoal.kernels.per_token_group_quant_fp8 import per_token_group_quant_fp8
 from shoal.kernels.silu_and_mul import silu_and_mul
 from shoal.kernels.triton.fused_moe import _store_tile, _tile_rows
 from shoal.kernels.triton.fused_moe_config import MoEGemmConfig, MoELaunch, moe_launch_for
+from shoal.kernels.triton.moe_sum import moe_sum
 
 
 @triton.jit(do_not_specialize=["num_rows_padded", "num_entries"])
@@ -178,4 +179,4 @@ def triton_fused_moe_block_fp8(
     down = alloc(num_entries, hidden, device=device, dtype=dtype)
     invoke_moe_gemm_block_fp8(a2_fp8, a2_scale, w2, w2_scale_inv, down, weights, routing, 1, True,
                               launch.block_size_m, block_size, down_config)  # fmt: skip
-    return down.view(num_tokens, top_k, hidden).sum(dim=1)  # [num_tokens, hidden]
+    return moe_sum(down, top_k)  # [num_tokens, hidden]

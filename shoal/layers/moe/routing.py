@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import torch
 
+from shoal.kernels.softmax_topk import softmax_topk
+
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -121,6 +123,13 @@ def select_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [num_tokens, num_experts] -> (topk_weights float32 [num_tokens, top_k],
     topk_ids int64 [num_tokens, top_k]). The order of a token's k choices is unspecified."""
+    plain_softmax = config.scoring_func == "softmax" and not config.is_grouped and not config.uses_correction_bias
+    if plain_softmax and config.renormalize_eps == 0.0:
+        # Mixtral, Qwen-MoE, DeepSeek-V2(-Lite) greedy: one fused launch on the GPU.
+        topk_weights, topk_ids = softmax_topk(router_logits, config.top_k, config.renormalize)
+        if config.routed_scaling_factor != 1.0:
+            topk_weights = topk_weights * config.routed_scaling_factor
+        return topk_weights, topk_ids
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if config.scoring_func == "softmax" else logits.sigmoid()
     choice = scores
