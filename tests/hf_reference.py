@@ -23,13 +23,20 @@ def hf_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
-@torch.inference_mode()
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool, top_k: int = 5) -> HFGreedy:
-    """One prompt at a time (no padding), float32, eager attention."""
+    """One prompt at a time (no padding), float32, eager attention. Memoized per checkpoint
+    folder like `hf_model` (several test modules ask the same prompts of the same checkpoint; a
+    test that changes weights writes them to a folder of its own)."""
+    return _hf_greedy(path, tuple(prompt_ids), max_new_tokens, stop_at_eos, top_k)
+
+
+@cache
+@torch.inference_mode()
+def _hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, stop_at_eos: bool, top_k: int) -> HFGreedy:
     model = hf_model(path)
     eos = model.generation_config.eos_token_id if stop_at_eos else None
     out = model.generate(
-        torch.tensor([prompt_ids]),
+        torch.tensor([list(prompt_ids)]),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=eos,

@@ -1,5 +1,5 @@
 """Soak: 64 concurrent streams against the shared demo-model server for `SHOAL_SOAK_SECONDS`
-(60 s in `make test`, after a warm-up round that touches the KV cache's pages; the `soak`
+(30 s in `make test`, after a warm-up round that touches the KV cache's pages; the `soak`
 variant, `pytest -m soak`, runs `SHOAL_SOAK_LONG_SECONDS`, 600 by default): random client
 cancellations mid-stream, mixed lengths, n > 1, unicode stop strings and a shared prompt prefix.
 Zero errors, zero KV blocks in use at the end, and the RSS of the frontend and the engine-core
@@ -108,7 +108,7 @@ def soak(server: ServerProcess, duration_s: float) -> None:
 
 
 def test_soak(server: ServerProcess) -> None:
-    soak(server, float(os.environ.get("SHOAL_SOAK_SECONDS", "60")))
+    soak(server, float(os.environ.get("SHOAL_SOAK_SECONDS", "30")))
 
 
 LONG_SOAK_S = float(os.environ.get("SHOAL_SOAK_LONG_SECONDS", "600"))
