@@ -39,6 +39,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from shoal.layers.quantization.fp8_config import Fp8Config
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -202,7 +204,7 @@ class ModelShape:
         lm_head = vocab * hidden
         dtype_bytes = DTYPE_BYTES[dtype]
         linear_bytes: float = DTYPE_BYTES["fp8"] if quantization == "fp8" else dtype_bytes
-        block = _fp8_weight_block(hf_config) if quantization == "fp8" else None
+        block = Fp8Config.from_hf_config(hf_config).weight_block_size if quantization == "fp8" else None
         # Block-wise fp8 (DeepSeek-V3's checkpoints) quantizes the routed experts too, and adds
         # one float32 scale per block; per-tensor fp8 leaves the experts in the model's dtype.
         expert_bytes: float = dtype_bytes
@@ -228,15 +230,6 @@ class ModelShape:
             expert_bytes=round(moe["expert_params"] * expert_bytes),
             flops_per_pair_per_head=mla["flops_per_pair"] if mla else 0,
         )
-
-
-def _fp8_weight_block(hf_config: Any) -> tuple[int, int] | None:
-    """The checkpoint's `weight_block_size` (block-wise fp8), None for per-tensor scales."""
-    quantization_config = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(quantization_config, dict):
-        quantization_config = quantization_config.to_dict()
-    block = quantization_config.get("weight_block_size")
-    return (int(block[0]), int(block[1])) if block else None
 
 
 def _mla_shape(hf_config: Any, hidden: int, num_heads: int) -> dict[str, int] | None:

@@ -127,9 +127,17 @@ def select_experts(
     if plain_softmax and config.renormalize_eps == 0.0:
         # Mixtral, Qwen-MoE, DeepSeek-V2(-Lite) greedy: one fused launch on the GPU.
         topk_weights, topk_ids = softmax_topk(router_logits, config.top_k, config.renormalize)
-        if config.routed_scaling_factor != 1.0:
-            topk_weights = topk_weights * config.routed_scaling_factor
-        return topk_weights, topk_ids
+    else:
+        topk_weights, topk_ids = _select_by_scores(router_logits, config, correction_bias)
+    if config.routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * config.routed_scaling_factor
+    return topk_weights, topk_ids
+
+
+def _select_by_scores(
+    router_logits: torch.Tensor, config: RoutingConfig, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped, biased and sigmoid rules in torch: (weights, ids) before the scaling factor."""
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if config.scoring_func == "softmax" else logits.sigmoid()
     choice = scores
@@ -143,8 +151,6 @@ def select_experts(
     topk_weights = scores.gather(1, topk_ids)  # the choice's bias is not part of the weight
     if config.renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + config.renormalize_eps)
-    if config.routed_scaling_factor != 1.0:
-        topk_weights = topk_weights * config.routed_scaling_factor
     return topk_weights, topk_ids
 
 
