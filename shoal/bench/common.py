@@ -97,9 +97,10 @@ def prepare_offline(engine_args: EngineArgs, measure_bound: bool, in_process: bo
     if measure_bound:
         ceilings = hardware.measure_ceilings(config.device_config.device, model_config.dtype)
         logger.info(
-            "%s (%s): copy %s, %s GEMM %s",
+            "%s (%s): read %s, copy %s, %s GEMM %s",
             ceilings.device,
             ceilings.device_name,
+            format_rate(ceilings.read_bytes_per_s, "B/s"),
             format_rate(ceilings.copy_bytes_per_s, "B/s"),
             ceilings.gemm_dtype,
             format_rate(ceilings.gemm_flops_per_s, "FLOP/s"),
@@ -119,7 +120,7 @@ def describe_bound(setup: OfflineSetup, bound: hardware.WorkloadBound | None) ->
         return "hardware bound: not measured (--no-hardware-bound)"
     c = setup.ceilings
     return (
-        f"hardware bound on {c.device} ({c.device_name}: copy {format_rate(c.copy_bytes_per_s, 'B/s')}, "
+        f"hardware bound on {c.device} ({c.device_name}: read {format_rate(c.read_bytes_per_s, 'B/s')}, "
         f"{c.gemm_dtype} GEMM {format_rate(c.gemm_flops_per_s, 'FLOP/s')}): {bound.bound_s:.3g} s = prefill "
         f"{bound.prefill_s:.3g} s + decode {bound.decode_s:.3g} s over {bound.num_steps:,} steps "
         f"({bound.num_memory_bound_steps:,} memory-bound), {bound.serial_bound_s:.3g} s with each step's weight "

@@ -69,3 +69,13 @@ def mla_decode(
     else:
         op(out, query, kv_cache, block_tables, seq_lens, max_seq_len, scale)
     return out
+
+
+def warm_up_mla_decode(kv_cache: torch.Tensor, num_heads: int, kv_lora_rank: int, dtype: torch.dtype) -> None:
+    """On the GPU, compile every variant of the registered kernel before serving (see
+    `warm_up_triton_mla_decode`); nothing without one."""
+    if registered_kernel("mla_decode", kv_cache) is None:
+        return
+    from shoal.kernels.triton.mla_decode import warm_up_triton_mla_decode
+
+    warm_up_triton_mla_decode(kv_cache, num_heads, kv_lora_rank, dtype)

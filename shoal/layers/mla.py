@@ -30,16 +30,19 @@ The rotary embedding rotates interleaved pairs (DeepSeek's layout; V3 with
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from shoal.distributed.parallel_state import get_tp_group
 from shoal.forward_context import AttentionMetadata, get_forward_context
 from shoal.kernels.concat_and_cache_mla import concat_and_cache_mla
-from shoal.kernels.mla_decode import mla_decode
+from shoal.kernels.mla_decode import mla_decode, warm_up_mla_decode
 from shoal.kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
 from shoal.kernels.per_token_group_quant_fp8 import dequantize_per_token_group, per_token_group_quant_fp8
 from shoal.kernels.scaled_fp8_quant import FP8_DTYPE
@@ -49,6 +52,13 @@ from shoal.layers.layernorm import RMSNorm
 from shoal.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from shoal.layers.quantization.fp8_config import Fp8Config
 from shoal.layers.rotary import RotaryEmbedding, rope_params_from_config, yarn_softmax_scale
+
+# The expanded prefill's SDPA backends on the GPU. Left to choose, SDPA takes cuDNN, which builds a
+# plan for every new (query, context) length: on one H200 the 256 x (512 in, 256 out) run of
+# DeepSeek-V2-Lite's shape stalled up to 1.2 s at a time on it, the device busy 36% of the wall.
+# Flash attention needs equal key and value widths (192 and 128 here), so memory-efficient
+# attention serves, with the bottom-right causal mask natively.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 class MLAAttention(nn.Module):
@@ -146,7 +156,7 @@ class MLAAttention(nn.Module):
         """q_nope [T, H, nope], q_pe [T, H, rope], kv_c [T, rank], k_pe [T, rope] -> [T, H, v]."""
         md = get_forward_context().attn_metadata
         if md is None:  # a profiling or warm-up run: the batch as one causal sequence
-            return self._expanded(torch.cat((q_nope, q_pe), dim=-1), kv_c, k_pe, context_len=0)
+            return self._expanded(torch.cat((q_nope, q_pe), dim=-1), kv_c, k_pe)
         if self.kv_cache is None:
             raise RuntimeError("attention ran with metadata but no KV cache bound to the layer")
         concat_and_cache_mla(kv_c, k_pe, self.kv_cache, md.slot_mapping)
@@ -168,12 +178,11 @@ class MLAAttention(nn.Module):
             )
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, qk_head_dim]
         for i, (start, end, seq_len) in enumerate(plan.prefills):
-            context_len = seq_len - (end - start)
-            if context_len == 0:  # a fresh prompt: its latents are this step's rows
+            if seq_len == end - start:  # a fresh prompt: its latents are this step's rows
                 c, pe = kv_c[start:end], k_pe[start:end]
             else:
                 c, pe = self._cached_latents(plan.prefill_block_tables[i], seq_len)
-            out[start:end] = self._expanded(query[start:end], c, pe, context_len)
+            out[start:end] = self._expanded(query[start:end], c, pe)
         return out
 
     def _cached_latents(self, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,22 +193,21 @@ class MLAAttention(nn.Module):
         latents = blocks.flatten(0, 1)[:seq_len]  # [S, kv_lora_rank + rope]
         return latents[:, : self.kv_lora_rank], latents[:, self.kv_lora_rank :]
 
-    def _expanded(self, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, context_len: int) -> torch.Tensor:
-        """Causal attention of one request's `Q` new tokens (positions context_len..) over its
-        `S = context_len + Q` latents, up-projected: query [Q, H, qk], kv_c [S, rank], k_pe [S, rope]
+    def _expanded(self, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one request's `Q` new tokens (its last positions) over its `S`
+        latents (the cached context and the new tokens), up-projected: query [Q, H, qk], kv_c [S, rank], k_pe [S, rope]
         -> [Q, H, v]."""
         seq_len = kv_c.shape[0]
         kv = self.kv_b_proj(kv_c.to(query.dtype)).view(seq_len, self.num_heads, -1)  # [S, H, nope + v]
         k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k_pe = k_pe.to(query.dtype)[:, None, :].expand(seq_len, self.num_heads, self.qk_rope_head_dim)
         key = torch.cat((k_nope, k_pe), dim=-1)  # [S, H, qk_head_dim]
-        query_len = query.shape[0]
-        mask = None
-        if context_len > 0:  # SDPA's is_causal aligns the diagonal top-left; ours is offset
-            positions = torch.arange(seq_len, device=query.device)
-            mask = positions[None, :] <= (context_len + positions[:query_len])[:, None]  # [Q, S]
+        # The new tokens are the last Q of the S positions: the causal diagonal is aligned
+        # bottom-right (SDPA's is_causal aligns it top-left).
+        causal = causal_lower_right(query.shape[0], seq_len)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, H, len, dim]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        with sdpa_kernel(PREFILL_BACKENDS) if query.is_cuda else nullcontext():
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=self.scale)
         return attn[0].transpose(0, 1)  # [Q, H, v]
 
     def _absorbed_decode(
@@ -245,6 +253,13 @@ class MLAAttention(nn.Module):
                 dequantized = self._kv_b_cache[1].copy_(dequantized)  # in place: captured graphs read it
             self._kv_b_cache = (key, dequantized)
         return self._kv_b_cache[1]
+
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
+        """Compile the latent decode kernel's variants before serving (GPU; the runner calls
+        this once the cache is bound; queries come in the cache's dtype, the activations')."""
+        if self.kv_cache is not None:
+            warm_up_mla_decode(self.kv_cache, self.num_heads, self.kv_lora_rank, self.kv_cache.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -32,7 +32,13 @@ SHAPE = ModelShape(
     kv_bytes_per_token=64,
 )
 CEILINGS = DeviceCeilings(
-    "cpu", "test", copy_bytes_per_s=1000.0, gemm_flops_per_s=1e6, gemm_dtype="float32", gemm_size=1
+    "cpu",
+    "test",
+    read_bytes_per_s=1000.0,
+    copy_bytes_per_s=900.0,
+    gemm_flops_per_s=1e6,
+    gemm_dtype="float32",
+    gemm_size=1,
 )
 
 
@@ -52,7 +58,13 @@ def test_one_prompt_then_one_decode_step_by_hand() -> None:
 
 def test_compute_bound_step() -> None:
     slow_gemm = DeviceCeilings(
-        "cpu", "test", copy_bytes_per_s=1e12, gemm_flops_per_s=1000.0, gemm_dtype="float32", gemm_size=1
+        "cpu",
+        "test",
+        read_bytes_per_s=1e12,
+        copy_bytes_per_s=9e11,
+        gemm_flops_per_s=1000.0,
+        gemm_dtype="float32",
+        gemm_size=1,
     )
     bound = workload_bound(SHAPE, slow_gemm, [StepLoad(1, 1, 10, 10, False)])
     assert bound.bound_s == pytest.approx((2 * 1000 + 2 * 500 + 256 * 10) / 1000.0)
@@ -190,12 +202,14 @@ def test_shipped_configs(name: str, num_params: int, kv_kib_per_token: int) -> N
 
 def test_measure_ceilings_on_cpu() -> None:
     ceilings = measure_ceilings("cpu", "float32", copy_bytes=8 << 20, gemm_size=256)
-    assert ceilings.copy_bytes_per_s > 1e8 and ceilings.gemm_flops_per_s > 1e7
+    assert ceilings.read_bytes_per_s > 1e8 and ceilings.copy_bytes_per_s > 1e8 and ceilings.gemm_flops_per_s > 1e7
     assert (ceilings.device, ceilings.gemm_dtype, ceilings.gemm_size) == ("cpu", "float32", 256)
 
 
 def test_serial_bound_charges_the_weight_and_attention_phases_one_after_the_other() -> None:
-    ceilings = DeviceCeilings("cpu", "test", copy_bytes_per_s=1e4, gemm_flops_per_s=1e5, gemm_dtype="x", gemm_size=1)
+    ceilings = DeviceCeilings(
+        "cpu", "test", read_bytes_per_s=1e4, copy_bytes_per_s=9e3, gemm_flops_per_s=1e5, gemm_dtype="x", gemm_size=1
+    )
     step = StepLoad(num_tokens=100, num_sampled=100, kv_read_tokens=1000, attention_pairs=1000, is_prefill=False)
     bound = workload_bound(SHAPE, ceilings, [step])
     # Together: bytes 3000 + 64 × 1100 = 73,400 → 7.34 s beat flops 300,000 + 256,000 → 5.56 s.
