@@ -156,7 +156,7 @@ class MLAAttention(nn.Module):
         """q_nope [T, H, nope], q_pe [T, H, rope], kv_c [T, rank], k_pe [T, rope] -> [T, H, v]."""
         md = get_forward_context().attn_metadata
         if md is None:  # a profiling or warm-up run: the batch as one causal sequence
-            return self._expanded(torch.cat((q_nope, q_pe), dim=-1), kv_c, k_pe)
+            return self._causal_attention(torch.cat((q_nope, q_pe), dim=-1), *self._up_projected(kv_c, k_pe))
         if self.kv_cache is None:
             raise RuntimeError("attention ran with metadata but no KV cache bound to the layer")
         concat_and_cache_mla(kv_c, k_pe, self.kv_cache, md.slot_mapping)
@@ -177,12 +177,15 @@ class MLAAttention(nn.Module):
                 q_nope[rows], q_pe[rows], plan.decode_block_tables, plan.decode_seq_lens, md.max_seq_len
             )
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, qk_head_dim]
+        step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         for i, (start, end, seq_len) in enumerate(plan.prefills):
             if seq_len == end - start:  # a fresh prompt: its latents are this step's rows
-                c, pe = kv_c[start:end], k_pe[start:end]
+                # One up-projection of the step's rows serves every fresh prompt in it.
+                step_kv = step_kv or self._up_projected(kv_c, k_pe)
+                key, value = step_kv[0][start:end], step_kv[1][start:end]
             else:
-                c, pe = self._cached_latents(plan.prefill_block_tables[i], seq_len)
-            out[start:end] = self._expanded(query[start:end], c, pe)
+                key, value = self._up_projected(*self._cached_latents(plan.prefill_block_tables[i], seq_len))
+            out[start:end] = self._causal_attention(query[start:end], key, value)
         return out
 
     def _cached_latents(self, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,18 +196,21 @@ class MLAAttention(nn.Module):
         latents = blocks.flatten(0, 1)[:seq_len]  # [S, kv_lora_rank + rope]
         return latents[:, : self.kv_lora_rank], latents[:, self.kv_lora_rank :]
 
-    def _expanded(self, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-        """Causal attention of one request's `Q` new tokens (its last positions) over its `S`
-        latents (the cached context and the new tokens), up-projected: query [Q, H, qk], kv_c [S, rank], k_pe [S, rope]
-        -> [Q, H, v]."""
-        seq_len = kv_c.shape[0]
-        kv = self.kv_b_proj(kv_c.to(query.dtype)).view(seq_len, self.num_heads, -1)  # [S, H, nope + v]
+    def _up_projected(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expanded form's keys and values of S latents: kv_c [S, rank], k_pe [S, rope] ->
+        key [S, H, qk_head_dim], value [S, H, v]."""
+        seq_len = kv_c.shape[0]  # the cache holds latents in the activations' dtype
+        kv = self.kv_b_proj(kv_c).view(seq_len, self.num_heads, -1)  # [S, H, nope + v]
         k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_pe = k_pe.to(query.dtype)[:, None, :].expand(seq_len, self.num_heads, self.qk_rope_head_dim)
-        key = torch.cat((k_nope, k_pe), dim=-1)  # [S, H, qk_head_dim]
+        k_pe = k_pe[:, None, :].expand(seq_len, self.num_heads, self.qk_rope_head_dim)
+        return torch.cat((k_nope, k_pe), dim=-1), value
+
+    def _causal_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """One request's Q new tokens (its last positions) over its S positions: query [Q, H, qk],
+        key [S, H, qk], value [S, H, v] -> [Q, H, v]."""
         # The new tokens are the last Q of the S positions: the causal diagonal is aligned
         # bottom-right (SDPA's is_causal aligns it top-left).
-        causal = causal_lower_right(query.shape[0], seq_len)
+        causal = causal_lower_right(query.shape[0], key.shape[0])
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, H, len, dim]
         with sdpa_kernel(PREFILL_BACKENDS) if query.is_cuda else nullcontext():
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=self.scale)

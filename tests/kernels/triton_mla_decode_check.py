@@ -41,7 +41,9 @@ class Case:
 CASES = [
     Case((5, 1, 13), 4, 32, 8, torch.float32),
     Case((5, 1, 13), 4, 32, 8, torch.float32, num_splits=3),  # split-K, a split past a context
-    Case((40, 7), 80, 48, 16, torch.float16, num_splits=4, max_seq_len=64),  # two head blocks of 64, bound past the batch
+    Case(
+        (40, 7), 80, 48, 16, torch.float16, num_splits=4, max_seq_len=64
+    ),  # two head blocks of 64, bound past the batch
     Case((9,), 2, 64, 16, torch.float16, block_size=16),
 ]
 
