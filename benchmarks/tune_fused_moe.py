@@ -182,11 +182,16 @@ def main() -> int:
     shape = shape_of(args.model, args.tp, args.ep)
     device = args.device_name or (device_name(torch.device("cuda")) if torch.cuda.is_available() else "cpu")
     path = Path(args.out_dir) / config_file_name(shape.num_experts, shape.intermediate, device, args.dtype)
-    table = {count: heuristic_launch(count, shape.num_experts, shape.top_k) for count in args.token_counts}
+    # --update re-tunes --token-counts and keeps the rest: the file's entries, or without a file
+    # the heuristic's for the whole grid (a table of the tuned counts alone would serve a batch of
+    # one with the launch tuned for hundreds of tokens).
+    grid = sorted({*args.token_counts, *TOKEN_COUNTS}) if args.update else args.token_counts
+    table = {count: heuristic_launch(count, shape.num_experts, shape.top_k) for count in grid}
     kept: dict[int, MoELaunch] = {}
     if args.update and path.exists():
         kept = {int(count): MoELaunch.from_json(entry) for count, entry in json.loads(path.read_text()).items()}
-        table = {**kept, **table}
+        table = {**table, **kept}
+        table.update({c: heuristic_launch(c, shape.num_experts, shape.top_k) for c in args.token_counts})
     summary: dict[str, dict] = {}
     if not args.heuristic:
         start, block_ms, gemms = time.perf_counter(), *candidates(args.search)

@@ -8,11 +8,13 @@
 #   bench  Qwen3-30B-A3B, dummy weights: engine start, the nano-vllm protocol,  bench/*.json, bench.log
 #          `shoal serve` ready time and a 256-request load (tests/gpu/moe_bench.py)
 # and prints a summary table last. Results go to $OUT. The tuned table lands in
-# shoal/kernels/triton/fused_moe_configs/ (the later steps use it) and is copied to $OUT to be
-# committed.
+# shoal/kernels/triton/fused_moe_configs/ (the later steps use it) and comes back in
+# $OUT/fused_moe_configs.tgz to be committed.
 #   bash tests/gpu/run_moe.sh            (sources .whl/prelude.sh itself when it is there)
 # SHOAL_MOE_STEPS picks steps (default "build tune test bench"); SHOAL_TUNE_SECONDS caps the
-# tuner's search (default 200: batch sizes not reached keep the heuristic's launch).
+# tuner's search (default 200: batch sizes not reached keep the heuristic's launch);
+# SHOAL_MOE_MODEL the model the tuner tunes (default benchmarks/configs/qwen3-30b-a3b). The
+# tables come back as $OUT/fused_moe_configs.tgz (untar into shoal/kernels/triton/).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -f .whl/prelude.sh ]; then source .whl/prelude.sh || exit 1; fi
@@ -20,7 +22,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/shoal-moe-out}
 STEPS=${SHOAL_MOE_STEPS:-build tune test bench}
 PYTHON=${PYTHON:-python3}
-MODEL=benchmarks/configs/qwen3-30b-a3b
+MODEL=${SHOAL_MOE_MODEL:-benchmarks/configs/qwen3-30b-a3b}
 mkdir -p "$OUT"
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 status=0
@@ -46,7 +48,8 @@ fi
 if [[ " $STEPS " == *" tune "* ]]; then
   if step tune tune.log "$PYTHON" benchmarks/tune_fused_moe.py --model "$MODEL" \
       --max-seconds "${SHOAL_TUNE_SECONDS:-200}" --summary "$OUT/tune_summary.json"; then
-    cp shoal/kernels/triton/fused_moe_configs/E=128,N=768,device_name=*,dtype=bfloat16.json "$OUT/" 2>/dev/null || true
+    # The device tool brings back no file whose name holds "=" or ",": the tables travel in a tarball.
+    tar czf "$OUT/fused_moe_configs.tgz" -C shoal/kernels/triton fused_moe_configs
   fi
 fi
 if [[ " $STEPS " == *" test "* ]]; then
