@@ -19,6 +19,8 @@ captured at the longest context serves every shorter one).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -126,6 +128,25 @@ def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device)
     return max(1, min(max_splits, wanted))
 
 
+@dataclass(frozen=True)
+class MLADecodeLaunch:
+    """Tile sizes and warps of the decode kernel (benchmarks/bench_mla_decode.py sweeps them)."""
+
+    block_h: int  # heads a program: the rows of its tl.dot, at least 16
+    block_n: int = 32  # latents a tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_launch(num_heads: int) -> MLADecodeLaunch:
+    """Every head block reads the latents again, so as many heads a program as the registers
+    allow (one H200, 256 requests of 768 tokens, 128 heads: 374 us with 64 heads and 8 warps, 435
+    with 32, 604 with 16), and tiles of 32 latents (16 heads: 93 us against 149 us with 16; a
+    sweep of 16-64 latents, 4-8 warps, 1-3 stages)."""
+    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    return MLADecodeLaunch(block_h, num_warps=8 if block_h == 64 else 4)
+
+
 def triton_mla_decode(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -135,22 +156,19 @@ def triton_mla_decode(
     max_seq_len: int,
     scale: float,
     num_splits: int = 0,
+    launch: MLADecodeLaunch | None = None,
 ) -> None:
     """out [R, H, kv_lora_rank]; query [R, H, kv_lora_rank + rope] (unit last stride); kv_cache
-    [1, num_blocks, block_size, 1, latent]; num_splits 0: chosen from the grid and max_seq_len."""
+    [1, num_blocks, block_size, 1, latent]; num_splits 0: chosen from the grid and max_seq_len;
+    `launch` overrides `default_launch` (the benchmark's sweep)."""
     num_reqs, num_heads, latent_size = query.shape
     kv_lora_rank = out.shape[-1]
     rope_dim = latent_size - kv_lora_rank
     cache = kv_cache[0, :, :, 0]  # [num_blocks, block_size, latent]
-    # Heads a program: every head block reads the latents again, so as many as the registers
-    # allow (one H200, 256 requests of 768 tokens, 128 heads: 374 us with 64 heads and 8 warps,
-    # 435 with 32, 604 with 16); at least tl.dot's smallest M.
-    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    launch = launch or default_launch(num_heads)
+    block_h, block_n = launch.block_h, launch.block_n
     num_head_blocks = triton.cdiv(num_heads, block_h)
     block_c = triton.next_power_of_2(kv_lora_rank)
-    # 32 latents a tile: on one H200, 256 requests of 768 tokens with 16 heads ran in 93 us
-    # against 149 us with 16 (a sweep of 16-64 latents, 4-8 warps, 1-3 stages).
-    block_n = 32
     if num_splits <= 0:
         num_splits = choose_num_splits(num_reqs * num_head_blocks, max_seq_len, query.device)
     split_tokens = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
@@ -169,7 +187,7 @@ def triton_mla_decode(
         KV_LORA_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_C=block_c,
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_SIZE=cache.shape[1], BLOCK_H=block_h,
         BLOCK_N=block_n, SPLIT=num_splits > 1, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_h == 64 else 4, num_stages=2,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _mla_combine_kernel[(num_reqs, num_heads)](
