@@ -15,7 +15,6 @@ value where the reference is a power of two. The GEMMs take fp8 inputs made by t
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -110,10 +109,9 @@ def check_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, interm
 
 
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+    from tests.kernels.interpreter import prepare_interpreter
 
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     results = [check_quant(*case) for case in QUANT_CASES]
     results += [check_gemm(*case) for case in GEMM_CASES]
     results += [check_moe(*case) for case in MOE_CASES]

@@ -11,7 +11,6 @@ row blocks, column tiles and K steps, with partial ones.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -22,10 +21,9 @@ SHAPES = [(1, 4, 2, 32, 16), (7, 8, 2, 48, 24), (33, 4, 3, 40, 20)]
 
 
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+    from tests.kernels.interpreter import prepare_interpreter
 
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     from shoal.kernels.triton.fused_moe_config import MoEGemmConfig, MoELaunch
 
     launches = [

@@ -12,7 +12,6 @@ under the interpreter as well as float16; the interpreter rounds float32 to bflo
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 
 import torch
@@ -24,10 +23,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+    from tests.kernels.interpreter import prepare_interpreter
 
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     from shoal.kernels.triton.gemv import GemvTuning, triton_gemv
 
     # Small tiles so that the shapes above span several of them; then split-K (on CPU tensors

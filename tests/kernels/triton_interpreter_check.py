@@ -11,15 +11,14 @@ bfloat16 multiplies the raw bits (bfloat16 is covered by the GPU test).
 
 from __future__ import annotations
 
-import os
 import sys
 
-import numpy as np
 import torch
 
 from shoal.kernels import fresh_prefill_attention
 from shoal.kernels.fresh_prefill_attention import plan_fresh_prefills
 from shoal.kernels.paged_attention import paged_attention_ref
+from tests.kernels.interpreter import prepare_interpreter
 from tests.kernels.metadata_utils import make_paged_attention_inputs, new_keys_and_values
 
 # (query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, num_splits)
@@ -45,25 +44,8 @@ FRESH_CASES = [
 ]
 
 
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """triton 3.6's interpreter turns 1-element arrays into ints with int(array), which NumPy 2.4
-    rejects (triton-lang/triton#9171); squeeze first, as the upstream fix does."""
-    if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4):
-        return
-    import triton.runtime.interpreter as interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     from shoal.kernels.triton import paged_attention as kernels
 
     failures = 0

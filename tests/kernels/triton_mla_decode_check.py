@@ -11,7 +11,6 @@ for the GPU test.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,10 +100,9 @@ def check_cache_write(kernel: Callable[..., None], dtype: torch.dtype, device: t
 
 
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+    from tests.kernels.interpreter import prepare_interpreter
 
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     from shoal.kernels.triton.mla_decode import triton_concat_and_cache_mla, triton_mla_decode
 
     failures = []

@@ -10,7 +10,6 @@ decorated, at import).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -59,10 +58,9 @@ def check_sum(num_tokens: int, top_k: int, hidden: int, dtype: torch.dtype) -> b
 
 
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+    from tests.kernels.interpreter import prepare_interpreter
 
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     results = [check_routing(*case) for case in ROUTING_CASES] + [check_sum(*case) for case in SUM_CASES]
     return 0 if all(results) else 1
 

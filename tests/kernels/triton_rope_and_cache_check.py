@@ -9,7 +9,6 @@ decorated, at import) and reuses `check` for the GPU test.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,10 +148,9 @@ def _patch_interpreter_bfloat16_rounding() -> None:
 
 
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+    from tests.kernels.interpreter import prepare_interpreter
 
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     _patch_interpreter_bfloat16_rounding()
     from shoal.kernels.triton.rope_and_cache import triton_rope_and_cache
 

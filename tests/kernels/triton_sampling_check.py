@@ -7,7 +7,6 @@ non-zero when its samples do not follow softmax(logits / T).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import torch
@@ -16,10 +15,9 @@ from tests.kernels.gumbel_sample_cases import check_across_chunks, check_gumbel_
 
 
 def main() -> int:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    from tests.kernels.triton_interpreter_check import _patch_interpreter_for_numpy_2_4
+    from tests.kernels.interpreter import prepare_interpreter
 
-    _patch_interpreter_for_numpy_2_4()
+    prepare_interpreter()
     from shoal.kernels.triton.sampling import triton_gumbel_sample
 
     # The interpreter runs one program at a time: few rows, loose bounds (a wrong temperature
