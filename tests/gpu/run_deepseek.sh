@@ -9,8 +9,9 @@
 #          dummy weights, the nano-vllm protocol (tests/gpu/deepseek_bench.py)
 # and prints a summary table last. Results go to $OUT.
 #   bash tests/gpu/run_deepseek.sh            (sources .whl/prelude.sh itself when it is there)
-# SHOAL_DEEPSEEK_STEPS picks steps (default "build test bench"); SHOAL_DEEPSEEK_MODELS the bench's
-# models (default "deepseek_v2_lite deepseek_v3_8layer").
+# SHOAL_DEEPSEEK_STEPS picks steps (default "build test bench"; also "tune": the fused-MoE table of
+# DeepSeek-V2-Lite, back as fused_moe_configs.tgz, and "kernels": benchmarks/bench_mla_decode.py);
+# SHOAL_DEEPSEEK_MODELS the bench's models (default "deepseek_v2_lite deepseek_v3_8layer").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -f .whl/prelude.sh ]; then source .whl/prelude.sh || exit 1; fi
@@ -44,6 +45,16 @@ fi
 if [[ " $STEPS " == *" test "* ]]; then
   step test pytest-deepseek.log "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -ra --durations=10 \
     --junitxml="$OUT/junit-deepseek.xml" tests/kernels/test_mla_decode.py tests/gpu/test_gpu_deepseek.py
+fi
+if [[ " $STEPS " == *" tune "* ]]; then
+  # DeepSeek-V2-Lite's experts (64 of 1,408): no tuned table yet. The tables come back in a
+  # tarball (the device tool returns no file name with "=" or ",").
+  step tune tune.log "$PYTHON" benchmarks/tune_fused_moe.py --model benchmarks/configs/deepseek-v2-lite --update \
+    --token-counts 256 128 192 64 --max-seconds "${SHOAL_TUNE_SECONDS:-200}" --summary "$OUT/tune_summary.json"
+  tar czf "$OUT/fused_moe_configs.tgz" -C shoal/kernels/triton fused_moe_configs
+fi
+if [[ " $STEPS " == *" kernels "* ]]; then
+  step kernels kernels.log "$PYTHON" benchmarks/bench_mla_decode.py --output "$OUT/bench_mla_decode.json"
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   # shellcheck disable=SC2086  # MODELS is a list of names
