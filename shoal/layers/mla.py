@@ -173,9 +173,9 @@ class MLAAttention(nn.Module):
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_head_dim)  # padding rows stay zero
         if plan.decode_rows.numel() > 0:
             rows = plan.decode_rows
-            out[rows] = self._absorbed_decode(
-                q_nope[rows], q_pe[rows], plan.decode_block_tables, plan.decode_seq_lens, md.max_seq_len
-            )
+            # The plan holds int64; the kernels compiled at start-up read int32, as decode steps pass.
+            block_tables, seq_lens = plan.decode_block_tables.to(torch.int32), plan.decode_seq_lens.to(torch.int32)
+            out[rows] = self._absorbed_decode(q_nope[rows], q_pe[rows], block_tables, seq_lens, md.max_seq_len)
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, qk_head_dim]
         step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         for i, (start, end, seq_len) in enumerate(plan.prefills):

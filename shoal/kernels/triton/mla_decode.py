@@ -35,9 +35,10 @@ PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
 
 
-# The split arguments change with the batch in eager steps (a mixed batch's decodes): no
-# specialization on their values, so no variant is first compiled in the middle of serving.
-@triton.jit(do_not_specialize=["split_tokens", "num_splits"])
+# The split arguments and the block table's width change with the batch in eager steps (a mixed
+# batch's decodes): no specialization on their values, so no variant is first compiled in the
+# middle of serving.
+@triton.jit(do_not_specialize=["split_tokens", "num_splits", "stride_bt"])
 def _mla_decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
     qk_scale, split_tokens, num_splits, num_heads,
