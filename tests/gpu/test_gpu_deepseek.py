@@ -86,3 +86,26 @@ def test_bf16_random_deepseek_v2_is_as_close_to_float32_as_transformers(tmp_path
     print(f"random DeepSeek-V2, prompts equal to transformers float32 for 16 tokens (of {len(prompts)}): {agree}")
     assert agree["shoal_fp32"] == len(prompts)
     assert agree["shoal_bf16"] >= agree["hf_bf16"] - 1
+
+
+def _compiled_latent_decode_variants() -> int:
+    """Compiled variants of the latent decode kernel and its split combine, over every device."""
+    from shoal.kernels.triton.mla_decode import _mla_combine_kernel, _mla_decode_kernel
+
+    kernels = (_mla_decode_kernel, _mla_combine_kernel)
+    return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
+
+
+def test_no_latent_decode_variant_compiles_after_start_up(deepseek_checkpoints: dict) -> None:
+    """Decode graphs, eager decodes past them and mixed steps (a budget of 256 tokens chunks the
+    long prompts beside other requests' decodes, whose contexts, split counts and block tables
+    vary) launch only the variants the engine compiled at start-up."""
+    path = str(deepseek_checkpoints["deepseek_v2"])
+    llm = gpu_llm(path, dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=256, block_size=16)
+    compiled = _compiled_latent_decode_variants()
+    assert compiled >= 2  # unsplit and split
+    generator = torch.Generator().manual_seed(0)
+    for num_prompts, length in [(1, 5), (3, 300), (64, 20), (4, 450), (40, 2)]:
+        prompts = [torch.randint(5, 380, (length + i,), generator=generator).tolist() for i in range(num_prompts)]
+        llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_32, use_tqdm=False)
+    assert _compiled_latent_decode_variants() == compiled
