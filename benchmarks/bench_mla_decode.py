@@ -4,8 +4,8 @@
 
 For each shape (requests x context, heads; latent 512 + 64, bf16, blocks of 16 scattered through
 the cache) it times the default launch (`default_launch` in shoal/kernels/triton/mla_decode.py)
-and, without --quick, a sweep of heads a program, latents a tile, warps and stages, each checked
-against the default launch's output. Bandwidth is the latents read / time, as a share of the
+and, without --quick, a sweep of heads a program, latents a tile, warps and stages, then of split
+counts, each checked against the default launch's output. Bandwidth is the latents read / time, as a share of the
 device's streaming-read rate (shoal/bench/stream_read.py) measured in the same run. Times are
 medians over replays of a CUDA graph (`time_per_call` of benchmarks/bench_kernels.py).
 """
@@ -47,10 +47,13 @@ def decode_inputs(num_reqs: int, context: int, num_heads: int) -> dict:
     }
 
 
-def sweep(num_heads: int) -> list[MLADecodeLaunch]:
+def sweep(num_heads: int) -> list[tuple[MLADecodeLaunch, int]]:
+    """(launch, split count) pairs: tile shapes with the kernel's own split count (0), then the
+    default launch over split counts (a grid of a few programs an SM leaves a partial last wave)."""
     block_hs = [h for h in (16, 32, 64) if h <= max(16, triton.next_power_of_2(num_heads))]
     grid = itertools.product(block_hs, (16, 32, 64), (4, 8), (1, 2, 3))
-    return [MLADecodeLaunch(h, n, w, s) for h, n, w, s in grid]
+    tiles = [(MLADecodeLaunch(h, n, w, s), 0) for h, n, w, s in grid]
+    return tiles + [(default_launch(num_heads), splits) for splits in (1, 2, 3, 4, 6, 8)]
 
 
 def bench_shape(num_reqs: int, context: int, num_heads: int, read_bytes_per_s: float, quick: bool) -> dict:
@@ -60,20 +63,21 @@ def bench_shape(num_reqs: int, context: int, num_heads: int, read_bytes_per_s: f
     triton_mla_decode(reference, **inputs)
     out = torch.empty_like(reference)
     rows = []
-    for launch in [default_launch(num_heads)] + ([] if quick else sweep(num_heads)):
+    for launch, splits in [(default_launch(num_heads), 0)] + ([] if quick else sweep(num_heads)):
         try:
-            ms = time_per_call(lambda i, launch=launch: triton_mla_decode(out, **inputs, launch=launch))
+            ms = time_per_call(lambda i, la=launch, n=splits: triton_mla_decode(out, **inputs, num_splits=n, launch=la))
         except Exception as error:  # out of registers or shared memory: not a candidate
-            print(f"  {launch}: {type(error).__name__}")
+            print(f"  {launch} splits={splits}: {type(error).__name__}")
             continue
         share = latent_bytes / (ms * 1e-3) / read_bytes_per_s
         max_diff = (out.float() - reference.float()).abs().max().item()
-        rows.append({"launch": launch.__dict__, "us": ms * 1e3, "share_of_read_rate": share, "max_diff": max_diff})
+        row = {"launch": launch.__dict__, "num_splits": splits, "us": ms * 1e3, "share_of_read_rate": share}
+        rows.append({**row, "max_diff": max_diff})
     default, best = rows[0], min(rows, key=lambda row: row["us"])
     print(
         f"{num_reqs:4d} x {context:5d}, {num_heads:3d} heads: default {default['us']:7.1f} us "
         f"({default['share_of_read_rate']:.0%} of read), best {best['us']:7.1f} us "
-        f"({best['share_of_read_rate']:.0%}) {best['launch']}"
+        f"({best['share_of_read_rate']:.0%}) {best['launch']} splits={best['num_splits'] or 'auto'}"
     )
     return {"requests": num_reqs, "context": context, "heads": num_heads, "default": default, "best": best, "all": rows}
 
