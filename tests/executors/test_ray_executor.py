@@ -108,52 +108,37 @@ def test_parallel_greedy_matches_tp1_and_hf(ray_cluster: dict, tiny_checkpoints:
         llm.shutdown()
 
 
-@pytest.mark.parametrize(
-    ("kind", "tp", "pp", "expert_parallel"),
-    [
-        ("mixtral", 2, 1, False),  # every expert's intermediate dimension split in two
-        ("qwen2_moe", 2, 1, True),  # experts 0-3 on rank 0, 4-7 on rank 1; the shared expert split
-        ("qwen3_moe", 1, 2, False),
-    ],
-)
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+# TP=2 splits every expert's intermediate dimension (and MLA's heads); PP=2 gives each stage its
+# layers; expert parallelism puts experts 0-3 on rank 0 and 4-7 on rank 1 (shared experts split).
+MOE_LAYOUTS = [
+    pytest.param(2, 1, False, id="tp2"),
+    pytest.param(1, 2, False, id="pp2"),
+    pytest.param(2, 1, True, id="ep2"),
+]
+
+
+@pytest.mark.parametrize(("tp", "pp", "expert_parallel"), MOE_LAYOUTS)
+@pytest.mark.parametrize("kind", MOE_KINDS)
 def test_moe_parallel_greedy_matches_tp1_and_hf(
-    ray_cluster: dict, moe_checkpoints: dict, kind: str, tp: int, pp: int, expert_parallel: bool
+    request: pytest.FixtureRequest, ray_cluster: dict, kind: str, tp: int, pp: int, expert_parallel: bool
 ):
-    path = str(moe_checkpoints[kind])
+    checkpoints = request.getfixturevalue("deepseek_checkpoints" if kind.startswith("deepseek") else "moe_checkpoints")
+    path = str(checkpoints[kind])
     llm = LLM(
         path, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=expert_parallel, **ENGINE_ARGS
     )
     try:
         assert llm.engine_core.core.executor.config.parallel_config.enable_expert_parallel == expert_parallel
         check_generation(llm, path, pp)
-        if expert_parallel:
-            local = llm.collective_rpc(lambda w: w.model_runner.model.model.layers["0"].mlp.experts.num_local_experts)
-            assert local == [4, 4]
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.parametrize(
-    ("kind", "tp", "pp", "expert_parallel"),
-    [
-        ("deepseek_v3", 2, 1, False),  # MLA's heads split in two, each rank its half of the experts' width
-        ("deepseek_v2", 1, 2, False),  # the dense layer and one MoE layer on stage 0, the last on stage 1
-        ("deepseek_v2", 2, 1, True),  # experts 0-3 on rank 0, 4-7 on rank 1; the shared experts split
-    ],
-)
-def test_deepseek_parallel_greedy_matches_tp1_and_hf(
-    ray_cluster: dict, deepseek_checkpoints: dict, kind: str, tp: int, pp: int, expert_parallel: bool
-):
-    path = str(deepseek_checkpoints[kind])
-    llm = LLM(
-        path, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=expert_parallel, **ENGINE_ARGS
-    )
-    try:
-        check_generation(llm, path, pp)
-        if expert_parallel:
-            local = llm.collective_rpc(lambda w: w.model_runner.model.model.layers["1"].mlp.experts.num_local_experts)
-            assert local == [4, 4]
-        if tp == 2:
+        # Lambdas travel to the workers by value (the workers cannot import this module).
+        experts = llm.collective_rpc(
+            lambda w: next(
+                m.num_local_experts for m in w.model_runner.model.modules() if hasattr(m, "num_local_experts")
+            )
+        )
+        assert experts == ([4, 4] if expert_parallel else [8] * tp * pp)
+        if tp == 2 and kind.startswith("deepseek"):
             heads = llm.collective_rpc(lambda w: w.model_runner.model.model.layers["0"].self_attn.num_heads)
             assert heads == [2, 2]
     finally:
