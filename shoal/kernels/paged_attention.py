@@ -29,12 +29,13 @@ from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan
 @dataclass
 class PagedAttentionPlan:
     """The batch split into decode requests (batched) and prefill requests (looped), computed
-    once per step; a runner may store one in `AttentionMetadata.backend_state` to share it
-    between layers, else each layer builds its own."""
+    once per step (`step_plan`) and shared by its layers through `AttentionMetadata.backend_state`."""
 
     decode_rows: torch.Tensor  # [num_decodes] int64, the query row of each decode request
-    decode_seq_lens: torch.Tensor  # [num_decodes] int64
-    decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks] int64
+    # int32, as the metadata holds them: a compiled decode kernel (MLA's) reads them as a decode
+    # step passes them, so a mixed step launches no variant of its own.
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks] int32
     prefills: list[tuple[int, int, int]]  # (start_row, end_row, seq_len) of each other request
     prefill_block_tables: torch.Tensor  # [num_prefills, max_num_blocks_per_req] int64
 
@@ -52,11 +53,19 @@ def plan_paged_attention(md: AttentionMetadata, block_size: int) -> PagedAttenti
     decode_index = torch.tensor(decodes, dtype=torch.int64, device=device)
     return PagedAttentionPlan(
         decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device),
-        decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device),
-        decode_block_tables=md.block_tables[decode_index, :max_decode_blocks].to(torch.int64),
+        decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32, device=device),
+        decode_block_tables=md.block_tables[decode_index, :max_decode_blocks].to(torch.int32),
         prefills=[(starts[i], starts[i + 1], seq_lens[i]) for i in others],
         prefill_block_tables=md.block_tables[torch.tensor(others, dtype=torch.int64, device=device)].to(torch.int64),
     )
+
+
+def step_plan(md: AttentionMetadata, block_size: int) -> PagedAttentionPlan:
+    """The step's plan: built by the first layer that asks, kept in `backend_state` for the others
+    (the metadata is made anew each step)."""
+    if not isinstance(md.backend_state, PagedAttentionPlan):
+        md.backend_state = plan_paged_attention(md, block_size)
+    return md.backend_state
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -112,9 +121,7 @@ def paged_attention_ref(
     query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_size]; kv_cache [2, num_blocks, block_size, nkv, head_size]."""
-    plan = attn_metadata.backend_state
-    if not isinstance(plan, PagedAttentionPlan):
-        plan = plan_paged_attention(attn_metadata, kv_cache.shape[2])
+    plan = step_plan(attn_metadata, kv_cache.shape[2])
     out = query.new_zeros(query.shape)  # contiguous; rows no request owns (padding) stay zero
     if plan.decode_rows.numel() > 0:
         _decode(out, query, kv_cache, plan, scale)

@@ -43,7 +43,7 @@ from shoal.distributed.parallel_state import get_tp_group
 from shoal.forward_context import AttentionMetadata, get_forward_context
 from shoal.kernels.concat_and_cache_mla import concat_and_cache_mla
 from shoal.kernels.mla_decode import mla_decode, warm_up_mla_decode
-from shoal.kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
+from shoal.kernels.paged_attention import step_plan
 from shoal.kernels.per_token_group_quant_fp8 import dequantize_per_token_group, per_token_group_quant_fp8
 from shoal.kernels.scaled_fp8_quant import FP8_DTYPE
 from shoal.kernels.w8a8_block_fp8_matmul import dequantize_block_fp8
@@ -168,14 +168,13 @@ class MLAAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         """A batch with prefill chunks: decode rows absorbed, each prefill chunk expanded."""
-        plan = md.backend_state if isinstance(md.backend_state, PagedAttentionPlan) else None
-        plan = plan or plan_paged_attention(md, self.kv_cache.shape[2])  # type: ignore[union-attr]
+        plan = step_plan(md, self.kv_cache.shape[2])  # type: ignore[union-attr]
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_head_dim)  # padding rows stay zero
         if plan.decode_rows.numel() > 0:
             rows = plan.decode_rows
-            # The plan holds int64; the kernels compiled at start-up read int32, as decode steps pass.
-            block_tables, seq_lens = plan.decode_block_tables.to(torch.int32), plan.decode_seq_lens.to(torch.int32)
-            out[rows] = self._absorbed_decode(q_nope[rows], q_pe[rows], block_tables, seq_lens, md.max_seq_len)
+            out[rows] = self._absorbed_decode(
+                q_nope[rows], q_pe[rows], plan.decode_block_tables, plan.decode_seq_lens, md.max_seq_len
+            )
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, qk_head_dim]
         step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         for i, (start, end, seq_len) in enumerate(plan.prefills):

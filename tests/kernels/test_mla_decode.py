@@ -54,7 +54,8 @@ GPU_CASES = [
     *(Case(tuple(range(1, 4096, 61))[:64], 16, 512, 64, dtype, block_size=16) for dtype in (torch.bfloat16, torch.float16)),
     Case((4000, 17), 16, 512, 64, torch.bfloat16, block_size=16),  # two long requests: split-K
     Case((3000, 33, 1), 16, 512, 64, torch.bfloat16, block_size=16, num_splits=7),
-    # DeepSeek-V3 at one GPU (128 heads, two programs of 64), at TP=8 (16) and TP=4 (32), with a CUDA graph's bound past the batch.
+    # DeepSeek-V3 at one GPU (128 heads, two programs of 64), at TP=8 (16) and TP=4 (32),
+    # with a CUDA graph's bound past the batch.
     Case((1500, 200, 7, 1), 128, 512, 64, torch.bfloat16, block_size=16),
     Case((700,) * 8, 16, 512, 64, torch.bfloat16, block_size=16, max_seq_len=8192),
     Case((900, 40), 32, 512, 64, torch.bfloat16, block_size=16),  # TP=4: 32 heads a program
