@@ -71,11 +71,19 @@ def mla_decode(
     return out
 
 
+_WARMED_UP: set[tuple] = set()
+
+
 def warm_up_mla_decode(kv_cache: torch.Tensor, num_heads: int, kv_lora_rank: int, dtype: torch.dtype) -> None:
     """On the GPU, compile every variant of the registered kernel before serving (see
-    `warm_up_triton_mla_decode`); nothing without one."""
+    `warm_up_triton_mla_decode`); nothing without one, or when a layer of the same shape was
+    warmed up already in this process (variants compile per shape, not per layer)."""
     if registered_kernel("mla_decode", kv_cache) is None:
         return
+    key = (tuple(kv_cache.shape[2:]), kv_cache.dtype, kv_cache.device, num_heads, kv_lora_rank, dtype)
+    if key in _WARMED_UP:
+        return
+    _WARMED_UP.add(key)
     from shoal.kernels.triton.mla_decode import warm_up_triton_mla_decode
 
     warm_up_triton_mla_decode(kv_cache, num_heads, kv_lora_rank, dtype)
