@@ -97,7 +97,6 @@ class Case:
         self.topk_ids = scores.topk(shape.top_k, dim=-1).indices
         self.weights = torch.rand(num_tokens * shape.top_k, device=device)
         entries = num_tokens * shape.top_k
-        self.gate_up = torch.empty(entries, 2 * i, device=device, dtype=dtype)
         self.activated = torch.randn(entries, i, device=device, dtype=dtype)
         self.down = torch.empty(entries, h, device=device, dtype=dtype)
         self._routing: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -108,17 +107,23 @@ class Case:
         return self._routing[block_m]
 
     def time_gemm(self, which: str, block_m: int, config: MoEGemmConfig) -> float:
-        """Microseconds of one launch of the gate_up or down GEMM; inf when it does not run."""
+        """Microseconds of one launch of the gate_up GEMM (with the activation) or the down GEMM;
+        inf when it does not run."""
         import triton
 
-        from shoal.kernels.triton.fused_moe import invoke_moe_gemm
+        from shoal.kernels.triton.fused_moe import invoke_moe_gate_up, invoke_moe_gemm
 
-        if which == "gate_up":
-            args = (self.x, self.w13, self.gate_up, self.weights, self.routing(block_m), self.shape.top_k, False)
-        else:
-            args = (self.activated, self.w2, self.down, self.weights, self.routing(block_m), 1, True)
+        routing = self.routing(block_m)
+        x, weights, top_k = self.x, self.weights, self.shape.top_k
+
+        def launch() -> None:
+            if which == "gate_up":
+                invoke_moe_gate_up(x, self.w13, self.activated, routing, top_k, block_m, config)
+            else:
+                invoke_moe_gemm(self.activated, self.w2, self.down, weights, routing, True, block_m, config)
+
         try:
-            return 1e3 * triton.testing.do_bench(lambda: invoke_moe_gemm(*args, block_m, config), warmup=5, rep=25)
+            return 1e3 * triton.testing.do_bench(launch, warmup=5, rep=25)
         except Exception as exc:  # out of resources, a compile error: not a candidate
             if "out of resource" not in str(exc).lower() and "shared memory" not in str(exc).lower():
                 print(f"  skipped {which} BLOCK_SIZE_M={block_m} {config}: {type(exc).__name__}: {exc}"[:300])

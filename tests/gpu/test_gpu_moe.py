@@ -32,10 +32,11 @@ def test_tiny_moe_models_on_gpu_match_hf_float32(moe_checkpoints: dict, kind: st
 
 
 def _compiled_variants() -> int:
-    """Compiled variants of the fused-MoE GEMM kernel in this process, over every device."""
-    from shoal.kernels.triton.fused_moe import _moe_gemm_kernel
+    """Compiled variants of the fused-MoE GEMM kernels (gate_up, down) in this process, over every device."""
+    from shoal.kernels.triton.fused_moe import _moe_gate_up_silu_kernel, _moe_gemm_kernel
 
-    return sum(len(caches[0]) for caches in _moe_gemm_kernel.device_caches.values())
+    kernels = (_moe_gate_up_silu_kernel, _moe_gemm_kernel)
+    return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
 
 
 def test_nothing_compiles_after_start_up(moe_checkpoints: dict) -> None:

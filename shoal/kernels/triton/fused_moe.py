@@ -4,22 +4,23 @@
 1. `moe_align_block_size` (csrc) sorts the (token, choice) entries by expert and pads each
    expert's group to a multiple of BLOCK_SIZE_M rows, so that every block of BLOCK_SIZE_M rows
    belongs to one expert (`expert_ids[block]`).
-2. gate_up: a program computes a [BLOCK_SIZE_M, BLOCK_SIZE_N] tile of
-   x[entry // top_k] @ w13[expert]^T, gathering its rows of x by `sorted_token_ids` and writing
-   them at the entries' own rows (cache1 [num_entries, 2I]); padding rows are neither read nor
-   written.
-3. silu_and_mul (csrc): cache2 [num_entries, I].
-4. down: the same kernel on cache2 (its rows are the entries themselves) and w2, each row
-   multiplied in the epilogue by its routing weight (cache3 [num_entries, hidden]).
-5. The top-k reduction: out[t] = sum_j cache3[t * top_k + j] (shoal/kernels/triton/moe_sum.py:
+2. gate_up with the activation: a program computes a [BLOCK_SIZE_M, BLOCK_SIZE_N] tile of both
+   x[entry // top_k] @ W1[expert]^T (the gate) and x[entry // top_k] @ W3[expert]^T (up), the same
+   columns of each, gathering its rows of x by `sorted_token_ids`, and writes silu(gate) * up at
+   the entries' own rows (activated [num_entries, I]); padding rows are neither read nor written.
+   Fused, the [num_entries, 2I] product is never written and read back, and one launch less runs.
+3. down: the plain grouped GEMM on `activated` (its rows are the entries themselves) and w2, each
+   row multiplied in the epilogue by its routing weight (cache [num_entries, hidden]).
+4. The top-k reduction: out[t] = sum_j cache[t * top_k + j] (shoal/kernels/triton/moe_sum.py:
    float32 accumulation, deterministic, no atomics).
 
 Launch configurations (tile sizes, warps, stages) depend on the number of tokens and are read
 ahead of time from the tables in fused_moe_config.py, one per (experts, intermediate size,
-dtype, device), tuned by benchmarks/tune_fused_moe.py. `warm_up` compiles every configuration
-a table can pick at engine start-up. Integer arguments that change from step to step are in
-`do_not_specialize`, so a new batch size never compiles a new variant. Nothing here reads back
-to the host, so a decode step's launches can be captured in a CUDA graph.
+dtype, device), tuned by benchmarks/tune_fused_moe.py (gate_up's BLOCK_SIZE_N counts the columns
+of one of its two products). `warm_up` compiles every configuration a table can pick at engine
+start-up. Integer arguments that change from step to step are in `do_not_specialize`, so a new
+batch size never compiles a new variant. Nothing here reads back to the host, so a decode
+step's launches can be captured in a CUDA graph.
 
 A quantized variant (block fp8) reuses `_tile_rows` (which rows and expert a program owns) and
 `_store_tile` (the routed-weight epilogue and the scattered store), and adds its own K loop
@@ -34,7 +35,6 @@ import triton.language as tl
 
 from shoal.kernels.fused_moe import local_expert_ids
 from shoal.kernels.moe_align_block_size import moe_align_block_size
-from shoal.kernels.silu_and_mul import silu_and_mul
 from shoal.kernels.triton.fused_moe_config import MoEGemmConfig, MoELaunch, moe_launch_for
 from shoal.kernels.triton.moe_sum import moe_sum
 
@@ -112,7 +112,6 @@ def _moe_gemm_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
-    A_ROWS_PER_ENTRY: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
@@ -120,11 +119,9 @@ def _moe_gemm_kernel(
     GROUP_SIZE_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """c[entry, n] = sum_k a[entry // A_ROWS_PER_ENTRY, k] * b[expert, n, k] (* weight[entry])
-    for the entries of this program's row block; b is [num_experts, N, K] (K contiguous).
-
-    A_ROWS_PER_ENTRY is top_k for gate_up (an entry reads its token's row of x) and 1 for down
-    (an entry reads its own row of the activations). DOT_PRECISION is "ieee" for float32
+    """c[entry, n] = sum_k a[entry, k] * b[expert, n, k] (* weight[entry]) for the entries of this
+    program's row block (the down projection: a row of `activated` per entry); b is
+    [num_experts, N, K] (K contiguous). DOT_PRECISION is "ieee" for float32
     (tl.dot would round it to tf32, and float32 runs are compared with transformers exactly),
     "tf32" otherwise (ignored for half types)."""
     in_use, pid_n, entries, expert = _tile_rows(
@@ -141,7 +138,7 @@ def _moe_gemm_kernel(
     if not in_use:
         return
     is_entry = entries < num_entries  # padding rows hold num_entries
-    a_rows = (entries // A_ROWS_PER_ENTRY).to(tl.int64)
+    a_rows = entries.to(tl.int64)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     # Columns past N read row N - 1 again (in bounds, never stored): the loads of b need no mask on N.
     offs_bn = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -159,19 +156,121 @@ def _moe_gemm_kernel(
     _store_tile(acc, c_ptr, topk_weights_ptr, entries, is_entry, offs_n, N, stride_cm, stride_cn, MUL_ROUTED_WEIGHT)
 
 
+@triton.jit(do_not_specialize=["num_rows_padded", "num_entries"])
+def _moe_gate_up_silu_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    num_rows_padded,
+    num_entries,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    TOP_K: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """c[entry, n] = silu(g) * u with g = a[entry // TOP_K] . b[expert, n] and
+    u = a[entry // TOP_K] . b[expert, N + n], for n < N: b is w13 [num_experts, 2N, K] (gate rows,
+    then up rows). Rounded as the unfused pipeline rounds (the product stored in c's dtype, then
+    silu_and_mul: silu in float32 rounded to the dtype, times up, rounded again), so fusing
+    changes no result."""
+    in_use, pid_n, entries, expert = _tile_rows(
+        tl.program_id(0),
+        sorted_token_ids_ptr,
+        expert_ids_ptr,
+        num_tokens_post_padded_ptr,
+        num_rows_padded,
+        N,
+        BLOCK_SIZE_M,
+        BLOCK_SIZE_N,
+        GROUP_SIZE_M,
+    )
+    if not in_use:
+        return
+    is_entry = entries < num_entries  # padding rows hold num_entries
+    a_rows = (entries // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    # Columns past N read gate row N - 1 (and up row 2N - 1) again: in bounds, never stored.
+    offs_bn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    gate_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+    up_ptrs = gate_ptrs + N * stride_bn
+    gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        k_left = K - k * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=is_entry[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b_gate = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        b_up = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        gate = tl.dot(a, b_gate, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, b_up, up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        gate_ptrs += BLOCK_SIZE_K * stride_bk
+        up_ptrs += BLOCK_SIZE_K * stride_bk
+    dtype = c_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    _store_tile(activated, c_ptr, c_ptr, entries, is_entry, offs_n, N, stride_cm, stride_cn, False)
+
+
+def invoke_moe_gate_up(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    c: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    top_k: int,
+    block_size_m: int,
+    config: MoEGemmConfig,
+) -> None:
+    """c [num_entries, I] = silu(gate) * up of a's rows with w13 [num_experts, 2I, K] (see the
+    kernel); `routing` is moe_align_block_size's."""
+    sorted_token_ids, expert_ids, num_tokens_post_padded = routing
+    N, K = w13.shape[1] // 2, w13.shape[2]
+    num_rows_padded = sorted_token_ids.numel()
+    grid = (triton.cdiv(num_rows_padded, block_size_m) * triton.cdiv(N, config.block_size_n),)
+    _moe_gate_up_silu_kernel[grid](
+        a, w13, c, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        N, K, num_rows_padded, c.shape[0],
+        a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), c.stride(0), c.stride(1),
+        TOP_K=top_k,
+        BLOCK_SIZE_M=block_size_m,
+        BLOCK_SIZE_N=config.block_size_n,
+        BLOCK_SIZE_K=config.block_size_k,
+        GROUP_SIZE_M=config.group_size_m,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+
+
 def invoke_moe_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
     topk_weights: torch.Tensor,
     routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    a_rows_per_entry: int,
     mul_routed_weight: bool,
     block_size_m: int,
     config: MoEGemmConfig,
 ) -> None:
-    """c [num_entries, N] = the grouped GEMM of a's rows with b [num_experts, N, K] (see the kernel).
-    `routing` is moe_align_block_size's (sorted_token_ids, expert_ids, num_tokens_post_padded)."""
+    """c [num_entries, N] = the grouped GEMM of a's rows (one per entry) with b [num_experts, N, K]
+    (see the kernel). `routing` is moe_align_block_size's (sorted_token_ids, expert_ids,
+    num_tokens_post_padded)."""
     sorted_token_ids, expert_ids, num_tokens_post_padded = routing
     N, K = b.shape[1], b.shape[2]
     num_rows_padded = sorted_token_ids.numel()
@@ -180,7 +279,6 @@ def invoke_moe_gemm(
         a, b, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
         N, K, num_rows_padded, c.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        A_ROWS_PER_ENTRY=a_rows_per_entry,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         BLOCK_SIZE_M=block_size_m,
         BLOCK_SIZE_N=config.block_size_n,
@@ -212,12 +310,10 @@ def triton_fused_moe(
     weights = topk_weights.to(torch.float32).reshape(-1)  # [num_entries], entry = token * top_k + j
     num_entries = num_tokens * top_k
     device, dtype = hidden_states.device, hidden_states.dtype
-    gate_up = torch.empty(num_entries, intermediate2, device=device, dtype=dtype)
-    invoke_moe_gemm(hidden_states, w13, gate_up, weights, routing, top_k, False, launch.block_size_m, launch.gate_up)
     activated = torch.empty(num_entries, intermediate2 // 2, device=device, dtype=dtype)
-    silu_and_mul(activated, gate_up)
+    invoke_moe_gate_up(hidden_states, w13, activated, routing, top_k, launch.block_size_m, launch.gate_up)
     # Choices of another rank's experts are never written: their rows must read as zero.
     alloc = torch.empty if expert_map is None else torch.zeros
     down = alloc(num_entries, hidden, device=device, dtype=dtype)
-    invoke_moe_gemm(activated, w2, down, weights, routing, 1, True, launch.block_size_m, launch.down)
+    invoke_moe_gemm(activated, w2, down, weights, routing, True, launch.block_size_m, launch.down)
     return moe_sum(down, top_k)  # [num_tokens, hidden]

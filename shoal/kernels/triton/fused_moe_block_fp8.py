@@ -160,7 +160,11 @@ def triton_fused_moe_block_fp8(
     num_experts, intermediate2, hidden = w13.shape
     if launch is None:
         launch = moe_launch_for(num_experts, intermediate2 // 2, w13.dtype, hidden_states.device, num_tokens)
-    gate_up_config = dataclasses.replace(launch.gate_up, block_size_k=block_size[1])
+    # A table's gate_up width is that of each of the two products of the fused bf16 kernel; this
+    # kernel computes gate and up as one product of twice the width.
+    gate_up_config = dataclasses.replace(
+        launch.gate_up, block_size_n=2 * launch.gate_up.block_size_n, block_size_k=block_size[1]
+    )
     down_config = dataclasses.replace(launch.down, block_size_k=block_size[1])
     ids = local_expert_ids(topk_ids, expert_map)
     routing = moe_align_block_size(ids, num_experts, launch.block_size_m)

@@ -13,6 +13,9 @@ BLOCK_SIZE_M, since one `moe_align_block_size` pads the groups for both. Without
 the shape (another GPU, a model nobody tuned) a heuristic on the rows each expert gets fills one
 in, with the same token counts; benchmarks/tune_fused_moe.py writes tuned tables.
 
+gate_up's BLOCK_SIZE_N is the width of each of its two products (gate and up, computed together
+with the activation by one program).
+
 Because the table is fixed, so is the set of kernels a run can launch: `warm_up_token_counts`
 gives one batch size per distinct launch, and the engine compiles them all at start-up.
 """
@@ -98,19 +101,24 @@ def config_file_name(num_experts: int, intermediate_size: int, device: str, dtyp
 def heuristic_launch(num_tokens: int, num_experts: int, top_k: int = 8) -> MoELaunch:
     """A launch from the rows each expert gets on average (num_tokens * top_k / num_experts):
     small row blocks and deep K tiles while the GEMMs are weight-bound (decode), large square
-    tiles with L2 grouping once each expert has hundreds of rows (prefill)."""
+    tiles with L2 grouping once each expert has hundreds of rows (prefill). gate_up's tiles are
+    half as wide as down's: a gate_up program computes its columns of both the gate and up
+    products, so it reads as many weight rows as a down program."""
     rows_per_expert = num_tokens * top_k / num_experts
-    if rows_per_expert <= 16:
-        gemm = MoEGemmConfig(block_size_n=64, block_size_k=128, group_size_m=1, num_warps=4, num_stages=4)
-        return MoELaunch(16, gemm, gemm)
     if rows_per_expert <= 64:
-        gemm = MoEGemmConfig(block_size_n=64, block_size_k=128, group_size_m=1, num_warps=4, num_stages=4)
-        return MoELaunch(32, gemm, gemm)
+        block_m = 16 if rows_per_expert <= 16 else 32
+        return MoELaunch(block_m, _decode_gemm(32), _decode_gemm(64))
     if rows_per_expert <= 256:
-        gemm = MoEGemmConfig(block_size_n=128, block_size_k=64, group_size_m=8, num_warps=4, num_stages=3)
-        return MoELaunch(64, gemm, gemm)
-    gemm = MoEGemmConfig(block_size_n=128, block_size_k=64, group_size_m=8, num_warps=8, num_stages=3)
-    return MoELaunch(128, gemm, gemm)
+        return MoELaunch(64, _prefill_gemm(64, num_warps=4), _prefill_gemm(128, num_warps=4))
+    return MoELaunch(128, _prefill_gemm(64, num_warps=8), _prefill_gemm(128, num_warps=8))
+
+
+def _decode_gemm(block_size_n: int) -> MoEGemmConfig:
+    return MoEGemmConfig(block_size_n=block_size_n, block_size_k=128, group_size_m=1, num_warps=4, num_stages=4)
+
+
+def _prefill_gemm(block_size_n: int, num_warps: int) -> MoEGemmConfig:
+    return MoEGemmConfig(block_size_n=block_size_n, block_size_k=64, group_size_m=8, num_warps=num_warps, num_stages=3)
 
 
 @functools.cache
