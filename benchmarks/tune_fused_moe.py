@@ -8,11 +8,12 @@ compile or fit in shared memory are skipped. A table holds every launch a run ma
 engine compiles them all at start-up and never inside a timed run.
 
     python benchmarks/tune_fused_moe.py --model benchmarks/configs/qwen3-30b-a3b [--tp 2 | --ep 2]
-        [--dtype bfloat16] [--search quick|full] [--out-dir shoal/kernels/triton/fused_moe_configs]
+        [--dtype bfloat16] [--search quick|full|decode] [--out-dir shoal/kernels/triton/fused_moe_configs]
     python benchmarks/tune_fused_moe.py --model ... --heuristic   # the heuristic's table, no GPU
     python benchmarks/tune_fused_moe.py --model ... --update --token-counts 192 256   # re-tune a few
 
---max-seconds stops the search early: batch sizes not reached keep the heuristic's launch.
+--max-seconds stops the search early: batch sizes not reached keep their launch (the file's with
+--update, else the heuristic's).
 The written file is named E={experts},N={intermediate per rank},device_name={gpu},dtype={dtype}.json;
 a JSON summary (per batch size: the chosen launch, its time and the heuristic's) goes to --summary.
 """
@@ -71,6 +72,9 @@ def candidates(search: str) -> tuple[list[int], list[MoEGemmConfig]]:
     if search == "full":
         block_m, block_n, block_k = [16, 32, 64, 128], [32, 64, 128, 256], [64, 128, 256]
         groups, warps, stages = [1, 8, 16], [4, 8], [2, 3, 4, 5]
+    elif search == "decode":  # weight-bound batches (a few rows an expert): no L2 grouping, 4 warps
+        block_m, block_n, block_k = [16, 32, 64], [32, 64, 128], [64, 128, 256]
+        groups, warps, stages = [1], [4], [3, 4, 5]
     else:
         block_m, block_n, block_k = [16, 32, 64, 128], [64, 128, 256], [64, 128]
         groups, warps, stages = [1, 16], [4, 8], [3, 4]
@@ -172,7 +176,7 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits the intermediate size)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (splits the experts)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--search", default="quick", choices=("quick", "full"))
+    parser.add_argument("--search", default="quick", choices=("quick", "full", "decode"))
     parser.add_argument("--token-counts", type=int, nargs="*", default=list(TOKEN_COUNTS))
     parser.add_argument("--out-dir", default=str(CONFIG_DIR))
     parser.add_argument("--device-name", default=None, help="the GPU name in the file name (default: this GPU's)")
@@ -195,8 +199,7 @@ def main() -> int:
     kept: dict[int, MoELaunch] = {}
     if args.update and path.exists():
         kept = {int(count): MoELaunch.from_json(entry) for count, entry in json.loads(path.read_text()).items()}
-        table = {**table, **kept}
-        table.update({c: heuristic_launch(c, shape.num_experts, shape.top_k) for c in args.token_counts})
+        table = {**table, **kept}  # batch sizes the search does not reach keep their launch
     summary: dict[str, dict] = {}
     if not args.heuristic:
         start, block_ms, gemms = time.perf_counter(), *candidates(args.search)
@@ -204,11 +207,11 @@ def main() -> int:
         known.update(g for launch in kept.values() for g in (launch.gate_up, launch.down))
         for count in args.token_counts:
             if time.perf_counter() - start > args.max_seconds:
-                print(f"--max-seconds reached: {count} tokens and more keep the heuristic's launch")
+                print(f"--max-seconds reached: {count} tokens and the counts after it keep their launch")
                 break
             case = Case(shape, count, dtype)
             launch, micros = tune_one(case, block_ms, gemms, known)
-            heuristic_micros = time_launch(case, table[count])
+            heuristic_micros = time_launch(case, heuristic_launch(count, shape.num_experts, shape.top_k))
             table[count] = launch
             summary[str(count)] = {"launch": launch.to_json(), "us": micros, "heuristic_us": heuristic_micros}
             print(f"{count:6d} tokens: {micros:9.1f} us (heuristic {heuristic_micros:9.1f} us)  {launch}", flush=True)

@@ -15,8 +15,9 @@ topk_ids [num_tokens, topk] names the experts of each token; entry i of its flat
 
 Within a group the reference orders entries by index; the CUDA op leaves that order arbitrary
 (the GEMM does not depend on it). Expert ids outside [0, num_experts) are skipped (experts that
-live on another rank). The CUDA op keeps two ints per expert in shared memory: up to about
-6,000 experts (DeepSeek-V3's 256 with room to spare); the reference has no limit.
+live on another rank). The CUDA op keeps two ints per expert in shared memory: up to
+`MAX_CSRC_EXPERTS` experts a rank (DeepSeek-V3's 256 with room to spare; the op itself takes a
+few hundred more), refused with a ValueError before the launch; the reference has no limit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from shoal.kernels.dispatch import compiled_op
+
+MAX_CSRC_EXPERTS = 5000
 
 
 def _output_sizes(num_entries: int, num_experts: int, block_size: int) -> tuple[int, int]:
@@ -65,9 +68,17 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compiled schema: `moe_align_block_size(topk_ids, num_experts, block_size,
     sorted_token_ids, expert_ids, num_tokens_post_padded) -> ()`."""
+    if num_experts < 1 or block_size < 1:
+        raise ValueError(
+            f"moe_align_block_size: num_experts and block_size must be positive, got {num_experts}, {block_size}"
+        )
     op = compiled_op("moe_align_block_size", topk_ids)
     if op is None:
         return moe_align_block_size_ref(topk_ids, num_experts, block_size)
+    if num_experts > MAX_CSRC_EXPERTS:
+        raise ValueError(
+            f"moe_align_block_size: the CUDA op takes up to {MAX_CSRC_EXPERTS} experts a rank, got {num_experts}"
+        )
     max_num_rows, max_num_blocks = _output_sizes(topk_ids.numel(), num_experts, block_size)
     device = topk_ids.device
     sorted_token_ids = torch.empty(max_num_rows, dtype=torch.int32, device=device)

@@ -70,11 +70,13 @@ def test_moe_align_block_size_csrc_matches_reference(num_tokens, topk, num_exper
 
 
 @pytest.mark.gpu
-def test_moe_align_block_size_csrc_refuses_more_experts_than_shared_memory_holds():
+def test_moe_align_block_size_refuses_more_experts_than_the_csrc_op_holds():
+    """A ValueError before the launch (the op's own check is the last guard)."""
+    from shoal.kernels.moe_align_block_size import MAX_CSRC_EXPERTS, moe_align_block_size
+
     topk_ids = torch.zeros(4, 2, dtype=torch.int32, device="cuda")
-    outputs = (
-        torch.empty(8 + 9000 * 15, dtype=torch.int32, device="cuda"),
-        torch.empty(9000, dtype=torch.int32, device="cuda"),
-    )
-    with pytest.raises(RuntimeError, match="experts, got 9000"):
-        csrc_op("moe_align_block_size")(topk_ids, 9000, 16, *outputs, torch.empty(1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match=f"up to {MAX_CSRC_EXPERTS} experts a rank, got 9000"):
+        moe_align_block_size(topk_ids, 9000, 16)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, MAX_CSRC_EXPERTS, 16)  # the largest it takes
+    assert num_post.item() == 16 and expert_ids[0].item() == 0
+    assert sorted(sorted_ids[:8].tolist()) == list(range(8)) and sorted_ids[8:16].tolist() == [8] * 8
