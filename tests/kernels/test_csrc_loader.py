@@ -77,3 +77,28 @@ def test_build_reuses_a_cached_library(monkeypatch, tmp_path):
     assert build.build(tmp_path / "build", "90a") == target
     assert target.read_bytes() == b"library" and _C.read_stamp(target)["torch_version"] == "x"
     assert build.build(tmp_path / "build", "90a") == target  # now current in place
+
+
+@pytest.mark.gpu
+def test_a_failing_check_inside_an_op_raises_a_runtime_error():
+    """A TORCH_CHECK that fails inside shoal/_C.so reaches Python as a RuntimeError and leaves the
+    process alive. Run in a subprocess: a library that carried its own copy of the C++ runtime
+    (linked statically where -lstdc++ found only the archive) crashed the process instead."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from shoal.kernels.dispatch import compiled_op
+ids = torch.zeros(4, 2, dtype=torch.int32, device="cuda")
+outputs = [torch.empty(n, dtype=torch.int32, device="cuda") for n in (8 + 9000 * 15, 9000, 1)]
+try:
+    compiled_op("moe_align_block_size", ids)(ids, 9000, 16, *outputs)
+except RuntimeError as exc:
+    print("raised:", exc)
+torch.ones(1, device="cuda").add_(1)  # the process goes on
+print("alive")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "experts, got 9000" in result.stdout and result.stdout.rstrip().endswith("alive")
