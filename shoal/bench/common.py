@@ -121,7 +121,9 @@ def describe_bound(setup: OfflineSetup, bound: hardware.WorkloadBound | None) ->
     c = setup.ceilings
     return (
         f"hardware bound on {c.device} ({c.device_name}: read {format_rate(c.read_bytes_per_s, 'B/s')}, "
-        f"{c.gemm_dtype} GEMM {format_rate(c.gemm_flops_per_s, 'FLOP/s')}): {bound.bound_s:.3g} s = prefill "
+        f"{c.gemm_dtype} GEMM {format_rate(c.gemm_flops_per_s, 'FLOP/s')}"
+        + (f", fp8 GEMM {format_rate(c.fp8_gemm_flops_per_s, 'FLOP/s')}" if c.fp8_gemm_flops_per_s else "")
+        + f"): {bound.bound_s:.3g} s = prefill "
         f"{bound.prefill_s:.3g} s + decode {bound.decode_s:.3g} s over {bound.num_steps:,} steps "
         f"({bound.num_memory_bound_steps:,} memory-bound), {bound.serial_bound_s:.3g} s with each step's weight "
         f"and attention phases in series; model {format_rate(setup.shape.num_params, '')} params, "

@@ -7,19 +7,22 @@ Two ceilings are measured at the start of a run on the device itself:
   device-to-device copy rate, (bytes read + bytes written) / time, is measured and reported
   beside it (on an H200 reads alone run ~9% faster than a copy);
 - GEMM rate: an N×N×N matrix product (bf16, N = 8192 on a GPU; the engine's dtype, N = 1024 on
-  a CPU), 2·N³ / time.
+  a CPU), 2·N³ / time; on a GPU with fp8 tensor cores the same product in e4m3 too
+  (`torch._scaled_mm`), the rate of the products of fp8 weights (the linear layers of fp8
+  checkpoints and, block-wise, their routed experts), which run about twice as fast.
 
 The workload is then replayed as engine steps (`simulate_steps`): every prompt is prefilled
 first, in chunks of at most `max_num_batched_tokens` tokens a step; then decode steps run every
 running request (at most `max_num_seqs`) one token further, a finished request's place going to
 the next waiting one, so the batch shrinks at the end. Each step costs at least
 
-    max(bytes / read bandwidth, flops / GEMM rate)
+    max(bytes / read bandwidth, flops / GEMM rate + fp8 flops / fp8 GEMM rate)
     bytes = weight bytes (every weight read once a step; of a mixture of experts, the experts
             the step's tokens chose, expected under uniform routing)
             + KV bytes per token × (context tokens attention reads + new tokens written)
     flops = 2 × layer params × new tokens + 2 × LM-head params × sampled tokens
             + 4 × layers × heads × head_dim × (query, key) pairs attention scores
+            (of them 2 × fp8 params × new tokens are the fp8 flops)
 
 and the bound is the sum over steps. That max() assumes a step's weight traffic, its GEMMs and
 its attention all overlap. Kernels that run one after another cannot overlap them, so a second,
@@ -59,6 +62,7 @@ class DeviceCeilings:
     gemm_flops_per_s: float
     gemm_dtype: str
     gemm_size: int
+    fp8_gemm_flops_per_s: float | None = None  # None: no fp8 tensor cores (fp8 flops at gemm_flops_per_s)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +82,7 @@ def measure_ceilings(
     copy_s = _copy_time(torch_device, copy_bytes)
     read_s = _read_time(torch_device, copy_bytes)
     gemm_s = _gemm_time(torch_device, gemm_size, getattr(torch, gemm_dtype))
+    fp8_gemm_s = _fp8_gemm_time(torch_device, gemm_size) if on_gpu else None
     if on_gpu:
         torch.cuda.empty_cache()
         name = torch.cuda.get_device_name(torch_device)
@@ -85,9 +90,11 @@ def measure_ceilings(
         import platform
 
         name = platform.processor() or platform.machine()
+    gemm_flops = 2 * gemm_size**3
     return DeviceCeilings(
-        device, name, copy_bytes / read_s, 2 * copy_bytes / copy_s, 2 * gemm_size**3 / gemm_s, gemm_dtype, gemm_size
-    )
+        device, name, copy_bytes / read_s, 2 * copy_bytes / copy_s, gemm_flops / gemm_s, gemm_dtype, gemm_size,
+        None if fp8_gemm_s is None else gemm_flops / fp8_gemm_s,
+    )  # fmt: skip
 
 
 def _copy_time(device: Any, num_bytes: int) -> float:
@@ -121,6 +128,24 @@ def _gemm_time(device: Any, n: int, dtype: Any) -> float:
     b = torch.randn_like(a)
     on_gpu = device.type == "cuda"
     return _time_per_call(lambda: torch.matmul(a, b), on_gpu, iters=10 if on_gpu else 3)
+
+
+def _fp8_gemm_time(device: Any, n: int) -> float | None:
+    """Seconds of an n×n×n e4m3 product with per-tensor scales; None on a GPU without fp8 tensor
+    cores (before sm_89) or a torch without `_scaled_mm` there."""
+    import torch
+
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes it
+    one = torch.ones((), device=device)
+    try:
+        return _time_per_call(
+            lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), True, iters=10
+        )
+    except RuntimeError:
+        return None
 
 
 def _time_per_call(fn: Any, on_gpu: bool, iters: int, warmup: int = 2) -> float:
@@ -161,6 +186,9 @@ class ModelShape:
     experts_per_token: int = 0
     expert_params: int = 0  # one routed expert of one layer
     expert_bytes: int = 0
+    # Of layer_params, those whose products run in fp8 (fp8 checkpoints: the linear layers, and of
+    # block-wise ones the experts a token goes through too).
+    fp8_params: int = 0
     # Multi-head latent attention (DeepSeek): flops of one (query, key) pair in one head, when
     # they are not 4 x head_dim (0: standard attention).
     flops_per_pair_per_head: int = 0
@@ -234,6 +262,7 @@ class ModelShape:
         if block is not None:
             linear_bytes = expert_bytes = DTYPE_BYTES["fp8"] + 4 / (block[0] * block[1])
         norm_params = layer_params - linear_params - active_experts
+        fp8_params = 0 if quantization != "fp8" else linear_params + (active_experts if block is not None else 0)
         weight_bytes = round(linear_params * linear_bytes) + (norm_params + lm_head) * dtype_bytes
         kv_bytes = dtype_bytes if kv_cache_dtype == "auto" else DTYPE_BYTES[kv_cache_dtype]
         return cls(
@@ -251,6 +280,7 @@ class ModelShape:
             experts_per_token=moe["experts_per_token"],
             expert_params=moe["expert_params"],
             expert_bytes=round(moe["expert_params"] * expert_bytes),
+            fp8_params=fp8_params,
             flops_per_pair_per_head=mla["flops_per_pair"] if mla else 0,
         )
 
@@ -407,21 +437,23 @@ def workload_bound(
     prefill_s = decode_s = serial_s = total_bytes = total_flops = 0.0
     num_memory_bound = 0
 
-    def seconds(num_bytes: float, flops: float) -> tuple[float, float]:
-        return (
-            num_bytes / tensor_parallel_size / ceilings.read_bytes_per_s,
-            flops / tensor_parallel_size / ceilings.gemm_flops_per_s,
-        )
+    fp8_rate = ceilings.fp8_gemm_flops_per_s or ceilings.gemm_flops_per_s
+
+    def seconds(num_bytes: float, flops: float, fp8_flops: float = 0.0) -> tuple[float, float]:
+        compute_s = (flops - fp8_flops) / ceilings.gemm_flops_per_s + fp8_flops / fp8_rate
+        return num_bytes / tensor_parallel_size / ceilings.read_bytes_per_s, compute_s / tensor_parallel_size
 
     for step in steps:
         num_bytes, flops = step_bytes_and_flops(shape, step)
-        memory_s, compute_s = seconds(num_bytes, flops)
+        fp8_flops = 2 * shape.fp8_params * step.num_tokens
+        memory_s, compute_s = seconds(num_bytes, flops, fp8_flops)
         num_memory_bound += memory_s >= compute_s
         if step.is_prefill:
             prefill_s += max(memory_s, compute_s)
         else:
             decode_s += max(memory_s, compute_s)
-        serial_s += sum(max(seconds(*phase)) for phase in step_phases(shape, step))
+        weight_phase, attention_phase = step_phases(shape, step)
+        serial_s += max(seconds(*weight_phase, fp8_flops)) + max(seconds(*attention_phase))
         total_bytes += num_bytes
         total_flops += flops
     return WorkloadBound(

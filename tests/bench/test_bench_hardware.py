@@ -176,6 +176,26 @@ def test_block_fp8_checkpoints_read_their_experts_in_fp8() -> None:
     assert bf16.expert_bytes == 2 * bf16.expert_params
     assert fp8.expert_bytes == round(fp8.expert_params * (1 + 4 / 128**2))
     assert fp8.lm_head_params * 2 < fp8.weight_bytes < bf16.weight_bytes / 1.5
+    # Their products run in fp8: every per-token parameter but the norms (and the LM head, not
+    # in layer_params); none of the bf16 shape's.
+    assert bf16.fp8_params == 0 and 0.99 * fp8.layer_params < fp8.fp8_params < fp8.layer_params
+
+
+def test_fp8_flops_take_the_fp8_gemm_rate() -> None:
+    """A compute-bound step: its fp8 flops at the fp8 rate, the rest (LM head, attention) at the
+    GEMM rate; without an fp8 rate everything at the GEMM rate."""
+    import dataclasses
+
+    shape = dataclasses.replace(SHAPE, fp8_params=600)
+    slow = DeviceCeilings("cpu", "test", 1e12, 9e11, gemm_flops_per_s=1000.0, gemm_dtype="x", gemm_size=1)
+    step = StepLoad(1, 1, 10, 10, False)
+    all_at_gemm_rate = (2 * 1000 + 2 * 500 + 256 * 10) / 1000.0
+    assert workload_bound(shape, slow, [step]).bound_s == pytest.approx(all_at_gemm_rate)
+    fast_fp8 = dataclasses.replace(slow, fp8_gemm_flops_per_s=2000.0)
+    bound = workload_bound(shape, fast_fp8, [step])
+    assert bound.bound_s == pytest.approx(all_at_gemm_rate - 2 * 600 / 2000.0)
+    # In series the fp8 flops belong to the weight phase.
+    assert bound.serial_bound_s == pytest.approx((2 * 400 + 2 * 500) / 1000.0 + 2 * 600 / 2000.0 + 2560 / 1000.0)
 
 
 @pytest.mark.parametrize(
