@@ -15,7 +15,8 @@ engine compiles them all at start-up and never inside a timed run.
 --max-seconds stops the search early: batch sizes not reached keep their launch (the file's with
 --update, else the heuristic's).
 The written file is named E={experts},N={intermediate per rank},device_name={gpu},dtype={dtype}.json;
-a JSON summary (per batch size: the chosen launch, its time and the heuristic's) goes to --summary.
+a JSON summary (per batch size: the chosen launch, its time and the table's entry before) goes to
+--summary. A batch size keeps its entry when the new launch is less than 3% faster.
 """
 
 from __future__ import annotations
@@ -211,10 +212,13 @@ def main() -> int:
                 break
             case = Case(shape, count, dtype)
             launch, micros = tune_one(case, block_ms, gemms, known)
-            heuristic_micros = time_launch(case, heuristic_launch(count, shape.num_experts, shape.top_k))
+            current = table[count]  # the file's entry with --update, else the heuristic's
+            current_micros = time_launch(case, current)
+            if current != launch and current_micros <= micros * (1 + REUSE_TOLERANCE):
+                launch, micros = current, current_micros  # not worth another kernel to compile
             table[count] = launch
-            summary[str(count)] = {"launch": launch.to_json(), "us": micros, "heuristic_us": heuristic_micros}
-            print(f"{count:6d} tokens: {micros:9.1f} us (heuristic {heuristic_micros:9.1f} us)  {launch}", flush=True)
+            summary[str(count)] = {"launch": launch.to_json(), "us": micros, "current_us": current_micros}
+            print(f"{count:6d} tokens: {micros:9.1f} us (current {current_micros:9.1f} us)  {launch}", flush=True)
             del case
             torch.cuda.empty_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
