@@ -22,9 +22,10 @@ start-up. Integer arguments that change from step to step are in `do_not_special
 batch size never compiles a new variant. Nothing here reads back to the host, so a decode
 step's launches can be captured in a CUDA graph.
 
-A quantized variant (block fp8) reuses `_tile_rows` (which rows and expert a program owns) and
-`_store_tile` (the routed-weight epilogue and the scattered store), and adds its own K loop
-with its scales.
+The three kernels (gate_up, down, and the block-fp8 variant's) share `_tile_rows` (which rows
+and expert a program owns), `_tile_operands` (the tile's pointers into a and b), `_store_tile`
+(the routed-weight epilogue and the scattered store) and `moe_gemm_grid`; each has its own K
+loop.
 """
 
 from __future__ import annotations
@@ -68,6 +69,45 @@ def _tile_rows(
     entries = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M), mask=in_use, other=0)
     expert = tl.load(expert_ids_ptr + pid_m, mask=in_use, other=0).to(tl.int64)
     return in_use, pid_n, entries, expert
+
+
+@triton.jit
+def _tile_operands(
+    a_ptr,
+    b_ptr,
+    entries,
+    expert,
+    pid_n,
+    num_entries,
+    N,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    A_ROWS_PER_ENTRY: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+):
+    """The tile's operands at the first K step: (is_entry, a_rows, offs_n, offs_bn, offs_k,
+    a_ptrs [BLOCK_SIZE_M, BLOCK_SIZE_K], b_ptrs [BLOCK_SIZE_K, BLOCK_SIZE_N]). An entry reads row
+    entry // A_ROWS_PER_ENTRY of a (top_k: its token's row of x; 1: its own row). Columns past N
+    read row N - 1 again (in bounds, never stored): the loads of b need no mask on N."""
+    is_entry = entries < num_entries  # padding rows hold num_entries
+    a_rows = (entries // A_ROWS_PER_ENTRY).to(tl.int64)
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    offs_bn = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+    return is_entry, a_rows, offs_n, offs_bn, offs_k, a_ptrs, b_ptrs
+
+
+def moe_gemm_grid(
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_size_m: int, n: int, block_size_n: int
+) -> tuple[int]:
+    """One program per (row block, column tile), sized for the most rows any routing can need."""
+    return (triton.cdiv(routing[0].numel(), block_size_m) * triton.cdiv(n, block_size_n),)
 
 
 @triton.jit
@@ -137,14 +177,10 @@ def _moe_gemm_kernel(
     )
     if not in_use:
         return
-    is_entry = entries < num_entries  # padding rows hold num_entries
-    a_rows = entries.to(tl.int64)
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    # Columns past N read row N - 1 again (in bounds, never stored): the loads of b need no mask on N.
-    offs_bn = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+    is_entry, _, offs_n, _, offs_k, a_ptrs, b_ptrs = _tile_operands(
+        a_ptr, b_ptr, entries, expert, pid_n, num_entries, N, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+        1, BLOCK_SIZE_N, BLOCK_SIZE_K,
+    )  # fmt: skip
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         k_left = K - k * BLOCK_SIZE_K
@@ -200,14 +236,11 @@ def _moe_gate_up_silu_kernel(
     )
     if not in_use:
         return
-    is_entry = entries < num_entries  # padding rows hold num_entries
-    a_rows = (entries // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    # Columns past N read gate row N - 1 (and up row 2N - 1) again: in bounds, never stored.
-    offs_bn = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    gate_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+    # The gate rows [0, N) of w13; up is the same columns N rows further.
+    is_entry, _, offs_n, _, offs_k, a_ptrs, gate_ptrs = _tile_operands(
+        a_ptr, b_ptr, entries, expert, pid_n, num_entries, N, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+        TOP_K, BLOCK_SIZE_N, BLOCK_SIZE_K,
+    )  # fmt: skip
     up_ptrs = gate_ptrs + N * stride_bn
     gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -241,11 +274,9 @@ def invoke_moe_gate_up(
     kernel); `routing` is moe_align_block_size's."""
     sorted_token_ids, expert_ids, num_tokens_post_padded = routing
     N, K = w13.shape[1] // 2, w13.shape[2]
-    num_rows_padded = sorted_token_ids.numel()
-    grid = (triton.cdiv(num_rows_padded, block_size_m) * triton.cdiv(N, config.block_size_n),)
-    _moe_gate_up_silu_kernel[grid](
+    _moe_gate_up_silu_kernel[moe_gemm_grid(routing, block_size_m, N, config.block_size_n)](
         a, w13, c, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        N, K, num_rows_padded, c.shape[0],
+        N, K, sorted_token_ids.numel(), c.shape[0],
         a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), c.stride(0), c.stride(1),
         TOP_K=top_k,
         BLOCK_SIZE_M=block_size_m,
@@ -273,11 +304,9 @@ def invoke_moe_gemm(
     num_tokens_post_padded)."""
     sorted_token_ids, expert_ids, num_tokens_post_padded = routing
     N, K = b.shape[1], b.shape[2]
-    num_rows_padded = sorted_token_ids.numel()
-    grid = (triton.cdiv(num_rows_padded, block_size_m) * triton.cdiv(N, config.block_size_n),)
-    _moe_gemm_kernel[grid](
+    _moe_gemm_kernel[moe_gemm_grid(routing, block_size_m, N, config.block_size_n)](
         a, b, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        N, K, num_rows_padded, c.shape[0],
+        N, K, sorted_token_ids.numel(), c.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         BLOCK_SIZE_M=block_size_m,

@@ -10,9 +10,10 @@ the bf16 fused-MoE pipeline of shoal/kernels/triton/fused_moe.py with fp8 operan
 5. down: the same GEMM on those and w2, with the routing weights in the epilogue; then the
    top-k sum.
 
-The tile rows and the epilogue are the bf16 kernel's (`_tile_rows`, `_store_tile`). Launch
-configurations come from the fused-MoE tables (fused_moe_config.py) for the dtype
-"float8_e4m3fn", with BLOCK_SIZE_K replaced by block_k.
+The tile rows, operands, epilogue and grid are the bf16 kernels' (`_tile_rows`,
+`_tile_operands`, `_store_tile`, `moe_gemm_grid`). Launch configurations come from the fused-MoE
+tables (fused_moe_config.py) for the dtype "float8_e4m3fn", with BLOCK_SIZE_K replaced by
+block_k.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from shoal.kernels.fused_moe import local_expert_ids
 from shoal.kernels.moe_align_block_size import moe_align_block_size
 from shoal.kernels.per_token_group_quant_fp8 import per_token_group_quant_fp8
 from shoal.kernels.silu_and_mul import silu_and_mul
-from shoal.kernels.triton.fused_moe import _store_tile, _tile_rows
+from shoal.kernels.triton.fused_moe import _store_tile, _tile_operands, _tile_rows, moe_gemm_grid
 from shoal.kernels.triton.fused_moe_config import MoEGemmConfig, MoELaunch, moe_launch_for
 from shoal.kernels.triton.moe_sum import moe_sum
 
@@ -83,14 +84,10 @@ def _moe_gemm_block_fp8_kernel(
     )
     if not in_use:
         return
-    is_entry = entries < num_entries  # padding rows hold num_entries
-    a_rows = (entries // A_ROWS_PER_ENTRY).to(tl.int64)
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    # Columns past N read row N - 1 again (in bounds, never stored).
-    offs_bn = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn
+    is_entry, a_rows, offs_n, offs_bn, offs_k, a_ptrs, b_ptrs = _tile_operands(
+        a_ptr, b_ptr, entries, expert, pid_n, num_entries, N, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+        A_ROWS_PER_ENTRY, BLOCK_SIZE_N, BLOCK_SIZE_K,
+    )  # fmt: skip
     a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
     b_scale_ptrs = b_scale_ptr + expert * stride_bse + (offs_bn // GROUP_N) * stride_bsn
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -122,11 +119,9 @@ def invoke_moe_gemm_block_fp8(
 ) -> None:
     sorted_token_ids, expert_ids, num_tokens_post_padded = routing
     N, K = b.shape[1], b.shape[2]
-    num_rows_padded = sorted_token_ids.numel()
-    grid = (triton.cdiv(num_rows_padded, block_size_m) * triton.cdiv(N, config.block_size_n),)
-    _moe_gemm_block_fp8_kernel[grid](
+    _moe_gemm_block_fp8_kernel[moe_gemm_grid(routing, block_size_m, N, config.block_size_n)](
         a, a_scale, b, b_scale, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        N, K, num_rows_padded, c.shape[0],
+        N, K, sorted_token_ids.numel(), c.shape[0],
         a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1),
         b.stride(0), b.stride(1), b.stride(2), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         c.stride(0), c.stride(1),
