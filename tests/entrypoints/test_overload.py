@@ -1,6 +1,7 @@
 """Overload on dedicated tiny-model servers with small limits (8 running, 32 waiting; a 0.5 s
 request timeout on a second one, as the tiny model decodes 500 tokens in about a second): 256
-requests at once, the excess answered 429 with `Retry-After` in OpenAI's error shape, every
+requests at once, each long enough (ACCEPTED_TOKENS) that none finishes, freeing its place, while
+the burst still arrives on a slow machine, the excess answered 429 with `Retry-After` in OpenAI's error shape, every
 accepted one completed, `/health` answering throughout, no KV block left in use; and a request
 past its timeout aborted in the core (503) with its blocks freed. (A client that stops reading
 a stream: tests/entrypoints/test_stream_stall.py.)"""
@@ -19,6 +20,7 @@ from tests.entrypoints.server_utils import ServerProcess
 MAX_NUM_SEQS = 8
 MAX_NUM_WAITING = 32
 REQUEST_TIMEOUT_S = 0.5
+ACCEPTED_TOKENS = 200  # a wave of 8 takes ~0.4 s here: 8 tokens let one wave finish mid-burst on CI
 USED_BLOCKS = "shoal:num_used_kv_blocks"
 
 
@@ -46,7 +48,7 @@ async def _burst(url: str, num_requests: int) -> tuple[list[httpx.Response], lis
     """`num_requests` completions at once, and /health's statuses polled while they run."""
     limits = httpx.Limits(max_connections=num_requests + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        body = {"prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}
+        body = {"prompt": "Hello there", "max_tokens": ACCEPTED_TOKENS, "ignore_eos": True}
         requests = asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(num_requests)))
         task = asyncio.ensure_future(requests)
         health: list[int] = []
@@ -64,7 +66,7 @@ def test_256_requests_at_once_get_429_past_the_queue_and_leak_nothing(small_serv
     assert MAX_NUM_SEQS <= len(accepted) <= 256 - len(refused)
     assert len(refused) >= 256 - MAX_NUM_SEQS - MAX_NUM_WAITING, len(refused)
     for response in accepted:
-        assert response.json()["usage"]["completion_tokens"] == 8  # every accepted one completed
+        assert response.json()["usage"]["completion_tokens"] == ACCEPTED_TOKENS  # every accepted one completed
     for response in refused:
         assert int(response.headers["Retry-After"]) >= 1
         error = response.json()["error"]
