@@ -8,9 +8,15 @@ compile or fit in shared memory are skipped. A table holds every launch a run ma
 engine compiles them all at start-up and never inside a timed run.
 
     python benchmarks/tune_fused_moe.py --model benchmarks/configs/qwen3-30b-a3b [--tp 2 | --ep 2]
-        [--dtype bfloat16] [--search quick|full|decode] [--out-dir shoal/kernels/triton/fused_moe_configs]
+        [--dtype bfloat16] [--search local|quick|full|decode] [--out-dir shoal/kernels/triton/fused_moe_configs]
     python benchmarks/tune_fused_moe.py --model ... --heuristic   # the heuristic's table, no GPU
     python benchmarks/tune_fused_moe.py --model ... --update --token-counts 192 256   # re-tune a few
+
+`--search local` (the default) climbs from the table's current launch (the heuristic's without a
+table): it times the launches one step away on one parameter, moves to the fastest, and stops
+when none is faster; BLOCK_SIZE_M tries the current value and its neighbours. It times about a
+third of what the `quick` grid does, which is what lets a few batch sizes fit one short GPU
+session; the grids (`quick`, `full`, `decode`) search wider.
 
 --max-seconds stops the search early: batch sizes not reached keep their launch (the file's with
 --update, else the heuristic's).
@@ -22,10 +28,13 @@ a JSON summary (per batch size: the chosen launch, its time and the table's entr
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +75,51 @@ def shape_of(model_dir: str, tp: int, ep: int) -> MoEShape:
     if num_experts % ep or intermediate % tp:
         raise SystemExit(f"{num_experts} experts / ep={ep} or intermediate {intermediate} / tp={tp} does not divide")
     return MoEShape(num_experts // ep, int(config.num_experts_per_tok), int(config.hidden_size), intermediate // tp)
+
+
+# The values `local` steps through, per parameter of a GEMM's launch and for BLOCK_SIZE_M.
+AXES = {
+    "block_size_n": (32, 64, 128, 256),
+    "block_size_k": (32, 64, 128, 256),
+    "group_size_m": (1, 8, 16),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4, 5),
+}
+BLOCK_M_AXIS = (16, 32, 64, 128)
+
+
+def neighbours(config: MoEGemmConfig) -> list[MoEGemmConfig]:
+    """The launches one step away from `config` on one parameter's axis."""
+    found = []
+    for field, values in AXES.items():
+        value = getattr(config, field)
+        if value not in values:
+            continue  # a value off the axis (a hand-written table) stays as it is
+        i = values.index(value)
+        found += [dataclasses.replace(config, **{field: values[j]}) for j in (i - 1, i + 1) if 0 <= j < len(values)]
+    return found
+
+
+def climb(time_of: Callable[[MoEGemmConfig], float], start: MoEGemmConfig, max_moves: int = 8) -> list[Timed]:
+    """Hill-climb from `start`: every timing taken, as (microseconds, launch)."""
+    timed = {start: time_of(start)}
+    current = start
+    for _ in range(max_moves):
+        for config in neighbours(current):
+            if config not in timed:
+                timed[config] = time_of(config)
+        fastest = min(timed, key=lambda c: timed[c])
+        if fastest == current:
+            break
+        current = fastest
+    return [(micros, config) for config, micros in timed.items()]
+
+
+def block_m_neighbours(block_m: int) -> list[int]:
+    if block_m not in BLOCK_M_AXIS:
+        return [block_m]
+    i = BLOCK_M_AXIS.index(block_m)
+    return [BLOCK_M_AXIS[j] for j in (i - 1, i, i + 1) if 0 <= j < len(BLOCK_M_AXIS)]
 
 
 def candidates(search: str) -> tuple[list[int], list[MoEGemmConfig]]:
@@ -140,23 +194,37 @@ class Case:
 REUSE_TOLERANCE = 0.03
 
 
-def pick(timed: list[tuple[float, MoEGemmConfig]], known: set[MoEGemmConfig]) -> tuple[float, MoEGemmConfig]:
+Timed = tuple[float, MoEGemmConfig]
+# How one GEMM's candidates get timed at one BLOCK_SIZE_M: (which, block_m, time_of) -> timings.
+Search = Callable[[str, int, Callable[[MoEGemmConfig], float]], list[Timed]]
+
+
+def grid_search(gemms: list[MoEGemmConfig]) -> Search:
+    return lambda which, block_m, time_of: [(time_of(g), g) for g in gemms]
+
+
+def local_search(start: MoELaunch) -> Search:
+    return lambda which, block_m, time_of: climb(time_of, getattr(start, which))
+
+
+def pick(timed: list[Timed], known: set[MoEGemmConfig]) -> Timed:
     """The fastest candidate, or a known one within REUSE_TOLERANCE of it."""
     best = min(timed, key=lambda t: t[0])
     reusable = [t for t in timed if t[1] in known and t[0] <= best[0] * (1 + REUSE_TOLERANCE)]
     return min(reusable, key=lambda t: t[0]) if reusable else best
 
 
-def tune_one(
-    case: Case, block_ms: list[int], gemms: list[MoEGemmConfig], known: set[MoEGemmConfig]
-) -> tuple[MoELaunch, float]:
+def tune_one(case: Case, block_ms: list[int], search: Search, known: set[MoEGemmConfig]) -> tuple[MoELaunch, float]:
     """The fastest (launch, microseconds of both GEMMs) for one batch size."""
     best: tuple[MoELaunch, float] | None = None
     rows_per_expert = case.num_tokens * case.shape.top_k / case.shape.num_experts
     for block_m in block_ms:
         if block_m > 16 and block_m > 4 * max(rows_per_expert, 1):
             continue  # mostly padding: never the fastest
-        timed = {w: pick([(case.time_gemm(w, block_m, g), g) for g in gemms], known) for w in ("gate_up", "down")}
+        timed = {
+            w: pick(search(w, block_m, functools.partial(case.time_gemm, w, block_m)), known)
+            for w in ("gate_up", "down")
+        }
         total = timed["gate_up"][0] + timed["down"][0]
         if best is None or total < best[1]:
             best = (MoELaunch(block_m, timed["gate_up"][1], timed["down"][1]), total)
@@ -177,7 +245,7 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (splits the intermediate size)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (splits the experts)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    parser.add_argument("--search", default="quick", choices=("quick", "full", "decode"))
+    parser.add_argument("--search", default="local", choices=("local", "quick", "full", "decode"))
     parser.add_argument("--token-counts", type=int, nargs="*", default=list(TOKEN_COUNTS))
     parser.add_argument("--out-dir", default=str(CONFIG_DIR))
     parser.add_argument("--device-name", default=None, help="the GPU name in the file name (default: this GPU's)")
@@ -203,7 +271,7 @@ def main() -> int:
         table = {**table, **kept}  # batch sizes the search does not reach keep their launch
     summary: dict[str, dict] = {}
     if not args.heuristic:
-        start, block_ms, gemms = time.perf_counter(), *candidates(args.search)
+        start = time.perf_counter()
         dtype, known = getattr(torch, args.dtype), set[MoEGemmConfig]()
         known.update(g for launch in kept.values() for g in (launch.gate_up, launch.down))
         for count in args.token_counts:
@@ -211,8 +279,13 @@ def main() -> int:
                 print(f"--max-seconds reached: {count} tokens and the counts after it keep their launch")
                 break
             case = Case(shape, count, dtype)
-            launch, micros = tune_one(case, block_ms, gemms, known)
             current = table[count]  # the file's entry with --update, else the heuristic's
+            if args.search == "local":
+                block_ms, search = block_m_neighbours(current.block_size_m), local_search(current)
+            else:
+                block_ms, gemms = candidates(args.search)
+                search = grid_search(gemms)
+            launch, micros = tune_one(case, block_ms, search, known)
             current_micros = time_launch(case, current)
             if current != launch and current_micros <= micros * (1 + REUSE_TOLERANCE):
                 launch, micros = current, current_micros  # not worth another kernel to compile

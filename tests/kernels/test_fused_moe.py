@@ -93,25 +93,6 @@ def test_committed_tables_are_valid() -> None:
                 assert launch.block_size_m >= 16 and gemm.block_size_n >= 16 and gemm.block_size_k >= 16
 
 
-def test_tuner_update_without_a_table_keeps_the_whole_grid(tmp_path) -> None:
-    """`--update` of a shape nobody tuned yet writes the full grid (the heuristic's launches
-    where it did not tune), not only the re-tuned batch sizes."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from shoal.kernels.triton import fused_moe_config as cfg
-
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, str(root / "benchmarks/tune_fused_moe.py"), "--heuristic", "--update"]
-    command += ["--model", str(root / "benchmarks/configs/deepseek-v2-lite"), "--token-counts", "200"]
-    command += ["--out-dir", str(tmp_path), "--device-name", "TEST_GPU"]
-    subprocess.run(command, check=True, capture_output=True, cwd=root)
-    written = json.loads((tmp_path / cfg.config_file_name(64, 1408, "TEST_GPU", "bfloat16")).read_text())
-    assert sorted(int(count) for count in written) == sorted({200, *cfg.TOKEN_COUNTS})
-    assert written["1"] == cfg.heuristic_launch(1, 64, 6).to_json()
-
-
 def test_warm_up_does_nothing_on_cpu() -> None:
     assert warm_up_fused_moe(torch.zeros(4, 8, 16), torch.zeros(4, 16, 4), 2, 256) == []
 
