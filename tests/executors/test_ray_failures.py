@@ -6,6 +6,7 @@ the engine's workers and placement group are gone."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,24 @@ from shoal.errors import EngineDeadError
 
 PROMPTS = ["The quick brown fox", "Hello world! This is a longer prompt of several words"]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def kill_and_wait(actor: Any) -> None:
+    """Kill a worker actor and return once it is gone: `ray.kill` returns first, and an actor
+    still answering would let the next generate() pass without meeting the death."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.01)
+    raise AssertionError("the killed actor still answers")
 
 
 @pytest.mark.parametrize(
@@ -40,7 +59,7 @@ def test_killed_worker_is_restarted_until_the_limit(
     try:
         expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         killed = executor.workers[first_killed]
-        ray.kill(killed)
+        kill_and_wait(killed)
         # The next step meets the dead worker; it is re-created and the requests recomputed.
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -49,7 +68,7 @@ def test_killed_worker_is_restarted_until_the_limit(
         assert stats["num_worker_restarts"] == 1 and stats["num_used_blocks"] == 0
         executor.check_health()
 
-        ray.kill(executor.workers[second_killed])
+        kill_and_wait(executor.workers[second_killed])
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match=f"worker rank {second_killed} died.*max_worker_restarts=1"):
             llm.generate(PROMPTS, PARAMS, use_tqdm=False)

@@ -17,7 +17,9 @@ from shoal.config import EngineArgs
 from shoal.frontend.async_llm import AsyncLLM
 from shoal.outputs import RequestOutput, WeightVersionSpan
 
-NUM_TOKENS = 96  # long enough that a pause always finds them running, even on a loaded machine
+# Long enough that a pause always finds them running, even on a loaded machine: the three finish
+# 96 tokens in about 0.2 s here, and a test pauses after the first three.
+NUM_TOKENS = 224
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 7, 8], list(range(30, 52))]
 ENGINE_ARGS = dict(max_num_seqs=8, max_model_len=256)
