@@ -30,7 +30,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import weakref
@@ -144,8 +143,9 @@ def make_addresses(transport: str = "ipc", host: str = "127.0.0.1") -> tuple[str
     """Input and output socket addresses, and the private directory of ipc sockets.
 
     ipc:// sockets live in a fresh directory only this user can enter (mode 0700); tcp://
-    addresses bind to `host` (loopback unless told otherwise) on free ports, and the sockets
-    on them are CURVE-authenticated (see `MPClient`).
+    addresses bind to `host` (loopback unless told otherwise) on a port the OS picks at bind
+    time (`*`: a port found free beforehand could be taken before the bind), and the sockets on
+    them are CURVE-authenticated (see `MPClient`).
     """
     if transport == "ipc":
         directory = tempfile.mkdtemp(prefix="shoal-")
@@ -153,13 +153,7 @@ def make_addresses(transport: str = "ipc", host: str = "127.0.0.1") -> tuple[str
         return f"ipc://{directory}/input", f"ipc://{directory}/output", directory
     if transport != "tcp":
         raise ValueError(f"engine-core transport must be 'ipc' or 'tcp', got {transport!r}")
-    return f"tcp://{host}:{_free_port(host)}", f"tcp://{host}:{_free_port(host)}", None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return f"tcp://{host}:*", f"tcp://{host}:*", None
 
 
 _LIVE_CLIENTS: weakref.WeakSet[MPClient] = weakref.WeakSet()
@@ -248,17 +242,19 @@ class MPClient:
         self.dead_error: EngineDeadError | None = None
         self.num_kv_blocks: int | None = None
         self.context = zmq.Context()
-        self.input_address, self.output_address, ipc_dir = make_addresses(transport)
+        input_address, output_address, ipc_dir = make_addresses(transport)
         self._resources = resources = EngineProcessResources(self.context, ipc_dir)
         self._finalizer = weakref.finalize(self, resources.release)
-        input_address = self.input_address
         # tcp:// may be reachable from other hosts: only the engine core's key gets through.
         self._keys = socket_auth.EngineKeys.generate() if input_address.startswith("tcp://") else None
         if self._keys is not None:
             resources.authenticator = socket_auth.start_authenticator(self.context, self._keys)
         self.input_socket = self._bound_socket(zmq.PUSH, input_address)
-        self.output_socket = self._bound_socket(zmq.PULL, self.output_address)
+        self.output_socket = self._bound_socket(zmq.PULL, output_address)
         resources.sockets += [self.input_socket, self.output_socket]
+        # The addresses as bound: a tcp:// port the OS picked.
+        self.input_address = input_address = self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.output_address = self.output_socket.getsockopt_string(zmq.LAST_ENDPOINT)
         from shoal.engine_core.process import run_engine_core_process
 
         spawn = multiprocessing.get_context("spawn")
