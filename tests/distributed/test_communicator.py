@@ -3,19 +3,13 @@ out as TP=2 x PP=2 (Ray tasks of the session's cluster, one per rank, all runnin
 
 from __future__ import annotations
 
-import socket
 import types
 
 import pytest
 import torch
 
 from shoal.distributed import communicator
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ray_nodes import free_ports
 
 
 def test_tp_and_pp_groups_over_gloo(ray_cluster: dict) -> None:
@@ -48,7 +42,7 @@ def test_tp_and_pp_groups_over_gloo(ray_cluster: dict) -> None:
             ps.destroy_model_parallel()
 
     task = ray.remote(num_cpus=1)(run_rank)
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     results = ray.get([task.remote(rank, 4, init_method) for rank in range(4)], timeout=120)
 
     assert [r["tp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -5,7 +5,6 @@ Face reference and disk updates) and sends them through a `WeightSender`."""
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +14,6 @@ from safetensors.torch import load_file, save_file
 from shoal.rl import WeightSender
 
 WEIGHTS_FILE = "model.safetensors"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def save_checkpoint(source: str | Path, target: str | Path, weights: dict[str, torch.Tensor]) -> str:

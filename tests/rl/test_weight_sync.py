@@ -16,7 +16,8 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from tests.hf_reference import hf_greedy
-from tests.rl.rl_utils import Trainer, free_port, noised, save_checkpoint
+from tests.ray_nodes import free_ports
+from tests.rl.rl_utils import Trainer, noised, save_checkpoint
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -39,7 +40,7 @@ def sync_from_trainer(llm: LLM, trainer: Any, num_workers: int, version: str) ->
     its actor and the engine's here. Returns the number of buckets sent."""
     import ray
 
-    port, world_size = free_port(), 1 + num_workers
+    (port,), world_size = free_ports(1), 1 + num_workers
     joined = trainer.start_sender.remote(port, world_size, BUCKET_BYTES)
     llm.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=world_size)
     ray.get(joined)
