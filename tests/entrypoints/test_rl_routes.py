@@ -129,12 +129,13 @@ def test_weight_updates_over_http(http: httpx.Client, rl_server: ServerProcess, 
     """A trainer in this process broadcasts changed weights while /update_weights_from_distributed
     waits for them; the same weights from a folder give the same completion, and the original
     folder the original one. Runs after the tests above, which expect version "0"."""
-    from tests.rl.rl_utils import Trainer, free_port
+    from tests.ray_nodes import free_ports
+    from tests.rl.rl_utils import Trainer
 
     before = complete(http, rl_server)
     trainer = Trainer(tiny_model_path)
     trainer.train_step(seed=1)
-    port = free_port()
+    (port,) = free_ports(1)
     group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(trainer.start_sender, port, 2, 128 << 10)

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from shoal import LLM, SamplingParams
 from tests.hf_reference import hf_greedy
-from tests.rl.rl_utils import WEIGHTS_FILE, free_port, noised, save_checkpoint
+from tests.ray_nodes import free_ports
+from tests.rl.rl_utils import WEIGHTS_FILE, noised, save_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -63,7 +64,7 @@ def test_nccl_sync_from_a_trainer_on_another_gpu(tiny_checkpoints: dict, tmp_pat
     original = str(tiny_checkpoints["llama"])
     changed = noised(load_file(str(Path(original) / WEIGHTS_FILE)), seed=3)
     path = save_checkpoint(original, tmp_path / "changed", changed)
-    port = free_port()
+    (port,) = free_ports(1)
     senders: list[WeightSender] = []
     trainer = threading.Thread(target=lambda: senders.append(WeightSender("127.0.0.1", port, 2, device="cuda:1")))
     with LLM(original, **ENGINE_ARGS) as llm:  # its core process works on GPU 0
