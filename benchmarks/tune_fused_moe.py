@@ -1,9 +1,9 @@
 """Tune the fused-MoE kernels' launch configurations for one model shape on this GPU and write
 the table the engine reads (shoal/kernels/triton/fused_moe_config.py).
 
-For each batch size of the table's grid it times every candidate launch of the gate_up GEMM and
-of the down GEMM (random routing, the model's top_k), per row-block size BLOCK_SIZE_M (shared by
-both, as one alignment pads for both), and keeps the fastest pair. Candidates that do not
+For each batch size of the table's grid it searches the launches of the gate_up GEMM and of the
+down GEMM (random routing, the model's top_k), per row-block size BLOCK_SIZE_M (shared by both,
+as one alignment pads for both), and keeps the fastest pair. Candidates that do not
 compile or fit in shared memory are skipped. A table holds every launch a run may pick, so the
 engine compiles them all at start-up and never inside a timed run.
 
@@ -195,16 +195,16 @@ REUSE_TOLERANCE = 0.03
 
 
 Timed = tuple[float, MoEGemmConfig]
-# How one GEMM's candidates get timed at one BLOCK_SIZE_M: (which, block_m, time_of) -> timings.
-Search = Callable[[str, int, Callable[[MoEGemmConfig], float]], list[Timed]]
+# How one GEMM's candidates get timed: (which GEMM, time_of) -> timings.
+Search = Callable[[str, Callable[[MoEGemmConfig], float]], list[Timed]]
 
 
 def grid_search(gemms: list[MoEGemmConfig]) -> Search:
-    return lambda which, block_m, time_of: [(time_of(g), g) for g in gemms]
+    return lambda which, time_of: [(time_of(g), g) for g in gemms]
 
 
 def local_search(start: MoELaunch) -> Search:
-    return lambda which, block_m, time_of: climb(time_of, getattr(start, which))
+    return lambda which, time_of: climb(time_of, getattr(start, which))
 
 
 def pick(timed: list[Timed], known: set[MoEGemmConfig]) -> Timed:
@@ -221,10 +221,7 @@ def tune_one(case: Case, block_ms: list[int], search: Search, known: set[MoEGemm
     for block_m in block_ms:
         if block_m > 16 and block_m > 4 * max(rows_per_expert, 1):
             continue  # mostly padding: never the fastest
-        timed = {
-            w: pick(search(w, block_m, functools.partial(case.time_gemm, w, block_m)), known)
-            for w in ("gate_up", "down")
-        }
+        timed = {w: pick(search(w, functools.partial(case.time_gemm, w, block_m)), known) for w in ("gate_up", "down")}
         total = timed["gate_up"][0] + timed["down"][0]
         if best is None or total < best[1]:
             best = (MoELaunch(block_m, timed["gate_up"][1], timed["down"][1]), total)
@@ -272,6 +269,7 @@ def main() -> int:
     summary: dict[str, dict] = {}
     if not args.heuristic:
         start = time.perf_counter()
+        grid = None if args.search == "local" else candidates(args.search)
         dtype, known = getattr(torch, args.dtype), set[MoEGemmConfig]()
         known.update(g for launch in kept.values() for g in (launch.gate_up, launch.down))
         for count in args.token_counts:
@@ -280,11 +278,10 @@ def main() -> int:
                 break
             case = Case(shape, count, dtype)
             current = table[count]  # the file's entry with --update, else the heuristic's
-            if args.search == "local":
+            if grid is None:
                 block_ms, search = block_m_neighbours(current.block_size_m), local_search(current)
             else:
-                block_ms, gemms = candidates(args.search)
-                search = grid_search(gemms)
+                block_ms, search = grid[0], grid_search(grid[1])
             launch, micros = tune_one(case, block_ms, search, known)
             current_micros = time_launch(case, current)
             if current != launch and current_micros <= micros * (1 + REUSE_TOLERANCE):

@@ -1,8 +1,8 @@
 """Overload on dedicated tiny-model servers with small limits (8 running, 32 waiting; a 0.5 s
 request timeout on a second one, as the tiny model decodes 500 tokens in about a second): 256
-requests at once, each long enough (ACCEPTED_TOKENS) that none finishes, freeing its place, while
-the burst still arrives on a slow machine, the excess answered 429 with `Retry-After` in OpenAI's error shape, every
-accepted one completed, `/health` answering throughout, no KV block left in use; and a request
+requests at once, each long enough (ACCEPTED_TOKENS) that none finishes, freeing its place,
+while the burst still arrives on a slow machine; the excess answered 429 with `Retry-After` in
+OpenAI's error shape, every accepted one completed, `/health` answering throughout, no KV block left in use; and a request
 past its timeout aborted in the core (503) with its blocks freed. (A client that stops reading
 a stream: tests/entrypoints/test_stream_stall.py.)"""
 
