@@ -1,10 +1,10 @@
-# shoal: make demo | make serve | make test | make test-cluster | make lint | make kernels | make bench-scheduler
+# shoal: make demo | make serve | make test | make test-cluster | make test-gpu | make lint | make kernels | make bench-scheduler
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test test-cluster lint kernels bench-scheduler clean
+.PHONY: install demo serve test test-cluster test-gpu lint kernels bench-scheduler clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: install
 # Several Ray nodes on this machine (tests/cluster/): batch jobs, Ray Serve, placement, failures.
 test-cluster: install
 	$(BIN)/python -m pytest -q -ra -m cluster tests/cluster
+
+# On the GPU machine (no .venv there: it runs the machine's python3 with the carried .whl):
+# every gpu-marked test, in one or two device calls (tests/gpu/suite.sh says how).
+test-gpu:
+	bash tests/gpu/suite.sh
 
 lint: install
 	$(BIN)/ruff check shoal tests examples benchmarks

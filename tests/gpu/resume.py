@@ -1,0 +1,85 @@
+"""A pytest plugin that lets the GPU suite run across device calls of limited length.
+
+One device call may run for at most ten minutes, and the whole suite (with the CUDA build) takes
+longer. With `-p tests.gpu.resume`, every finished test's outcome is written to a JSON state file
+(`SHOAL_GPU_STATE`) as soon as it is known; tests already in the file are deselected, so the
+next call, given the state back, runs only the rest. No new test starts after the epoch time in
+`SHOAL_GPU_DEADLINE`: the call ends between tests rather than being killed inside one. A test cut
+off by a hard timeout is not in the state and runs again next time.
+
+`tests/gpu/summary.py` prints the state as one line per test file and a total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+STATE_ENV = "SHOAL_GPU_STATE"
+DEADLINE_ENV = "SHOAL_GPU_DEADLINE"
+
+
+def load_state(path: Path) -> dict:
+    """{"collected": [nodeid, ...], "results": {nodeid: {"outcome", "duration_s", "reason"}}}"""
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"collected": [], "results": {}}
+
+
+class Resume:
+    def __init__(self, state_path: Path, deadline: float | None) -> None:
+        self.state_path = state_path
+        self.deadline = deadline
+        self.state = load_state(state_path)
+        self._current: dict[str, dict] = {}  # nodeid -> its outcome so far, phase by phase
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        known = set(self.state["collected"])
+        self.state["collected"] += [item.nodeid for item in items if item.nodeid not in known]
+        done = self.state["results"]
+        deselected = [item for item in items if item.nodeid in done]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item.nodeid not in done]
+        self._save()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """A test's outcome: an error in setup or teardown, a failure in its call, a skip (with
+        its reason), or a pass; recorded once its teardown is over."""
+        result = self._current.setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0, "reason": ""})
+        result["duration_s"] = round(result["duration_s"] + report.duration, 3)
+        if report.failed:
+            result["outcome"] = "failed" if report.when == "call" else "error"
+        elif report.skipped and result["outcome"] == "passed":
+            result["outcome"] = "skipped"
+            longrepr = report.longrepr
+            result["reason"] = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if report.when == "teardown":
+            self.state["results"][report.nodeid] = self._current.pop(report.nodeid)
+            self._save()
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        if self.deadline is not None and time.time() > self.deadline:
+            # The run loop stops before the next test; the next call picks up from there.
+            self._session.shouldstop = "the device call's time is up: the next call runs the rest"
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self._session = session
+
+    def _save(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        tmp.replace(self.state_path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    state_path = os.environ.get(STATE_ENV)
+    if not state_path:
+        raise pytest.UsageError(f"-p tests.gpu.resume needs {STATE_ENV} (the JSON state file)")
+    deadline = os.environ.get(DEADLINE_ENV)
+    config.pluginmanager.register(Resume(Path(state_path), float(deadline) if deadline else None), "gpu-resume")
