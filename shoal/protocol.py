@@ -80,11 +80,6 @@ class UtilityRequest(msgspec.Struct, array_like=True):
     args: list[Any]
 
 
-# Utility calls whose reply waits until `EngineCore.settle_pause` (a "wait" pause returns once
-# the running requests have finished, while the engine goes on stepping them).
-SETTLING_METHODS = frozenset({"pause_generation"})
-
-
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
     result: Any = None

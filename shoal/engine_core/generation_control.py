@@ -1,8 +1,8 @@
 """Pause/resume and sleep/wake_up of an engine core: the control calls of the RL rollout
 contract (see docs/rl.md).
 
-`EngineCore` inherits these; the frontend calls them as utility methods (see UTILITY_METHODS in
-`engine_core/process.py`). A pause or a sleep takes effect between steps: the steps still in
+`EngineCore` inherits these; the frontend calls them as utility methods (the RL verbs of
+shoal/rl_verbs.py). A pause or a sleep takes effect between steps: the steps still in
 flight (pipeline parallelism and async scheduling keep some) land first, and what they sampled
 goes to the frontend, through `side_outputs`, before the call returns. So do the final outputs
 of the requests an "abort" pause ends.

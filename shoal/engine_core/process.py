@@ -28,12 +28,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from shoal import socket_auth
+from shoal import rl_verbs, socket_auth
 from shoal.config import EngineConfig
 from shoal.engine_core.engine_core import EngineCore
+from shoal.engine_core.utilities import call_utility
 from shoal.errors import EngineDeadError
 from shoal.protocol import (
-    SETTLING_METHODS,
     EngineCoreRequest,
     EngineDead,
     EngineReady,
@@ -45,33 +45,6 @@ from shoal.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Methods of EngineCore the frontend may call (collective_rpc reaches the workers).
-UTILITY_METHODS = frozenset(
-    {
-        "collective_rpc",
-        "reset_prefix_cache",
-        "get_stats",
-        "check_health",
-        # generation_control.py
-        "pause_generation",
-        "resume_generation",
-        "is_paused",
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "generation_hold",
-        # weight_updates.py
-        "update_weights_from_disk",
-        "update_weights_from_tensors",
-        "check_weights",
-        "init_weight_update_group",
-        "update_weights_from_distributed",
-        "destroy_weight_update_group",
-        "get_weight_version",
-    }
-)
-
 
 # What an engine core imports whatever its model: the worker (torch, the model runner, layers
 # and kernels), and a Hugging Face config class, since the config carries the model's; Llama's
@@ -190,7 +163,7 @@ class EngineCoreProc:
             target=self._receive, args=(context, input_address), name="shoal-core-input", daemon=True
         )
         self._output_thread = threading.Thread(target=self._send, name="shoal-core-output", daemon=True)
-        # Replies of pause calls not settled yet (see SETTLING_METHODS).
+        # Replies of pause calls not settled yet (`Verb.settles` in shoal/rl_verbs.py).
         self._unsettled_replies: list[list[bytes]] = []
         self._input_thread.start()
         self._output_thread.start()
@@ -238,12 +211,10 @@ class EngineCoreProc:
     def _call_utility(self, call: UtilityRequest) -> None:
         settling = False
         try:
-            if call.method not in UTILITY_METHODS:
-                raise ValueError(f"the engine core has no utility method {call.method!r}")
-            result = getattr(self.core, call.method)(*call.args)
+            result = call_utility(self.core, call.method, call.args)
             reply = UtilityOutput(call_id=call.call_id, result=result)
             frames = encode(MessageType.UTILITY_OUTPUT, reply)
-            settling = call.method in SETTLING_METHODS
+            settling = rl_verbs.settles(call.method)
         except EngineDeadError:
             raise  # a failed health check ends the engine: the loop reports ENGINE_DEAD
         except Exception as exc:  # the caller gets the error; the engine keeps serving

@@ -1,5 +1,6 @@
 """Weight updates of an engine core: the RL rollout contract's four sources of new weights
-(see docs/rl.md). `EngineCore` inherits these; the frontend calls them as utility methods.
+(see docs/rl.md). `EngineCore` inherits these; the frontend calls them as utility methods (the
+RL verbs of shoal/rl_verbs.py).
 
 Each update lands the steps still in flight (no step runs while weights are written), has
 every worker check the whole batch and then write it (shoal/workers/weight_updates.py), then
@@ -23,11 +24,10 @@ from typing import Any
 from shoal.config import EngineConfig
 from shoal.engine_core.scheduler import Scheduler
 from shoal.executors.abstract import Executor
+from shoal.rl_verbs import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
 
-# As shoal.rl.buckets.DEFAULT_BUCKET_BYTES (kept apart: that module imports torch).
-DEFAULT_BUCKET_BYTES = 512 << 20
 WEIGHT_UPDATE_BACKENDS = (None, "gloo", "nccl")
 
 
@@ -103,13 +103,13 @@ class WeightUpdateControl:
         shapes: list[list[int]],
         weight_version: str | None = None,
         reset_prefix_cache: bool = True,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
     ) -> str:
         """Receive the trainer's broadcast of these tensors, in buckets of `bucket_bytes` (the
-        sender's); returns the new weight version."""
+        sender's; default `DEFAULT_BUCKET_BYTES`); returns the new weight version."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
-        args = (list(names), list(dtypes), [list(s) for s in shapes], int(bucket_bytes))
+        args = (list(names), list(dtypes), [list(s) for s in shapes], int(bucket_bytes or DEFAULT_BUCKET_BYTES))
         return self._update("update_weights_from_distributed", args, weight_version, reset_prefix_cache)
 
     def destroy_weight_update_group(self) -> None:

@@ -22,6 +22,7 @@ from shoal.frontend.llm import profile_directory
 from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.stats import IterationStats, StatsTracker
+from shoal.frontend.verb_methods import async_method, install_verb_methods
 from shoal.outputs import RequestOutput
 from shoal.protocol import SchedulerStats
 from shoal.sampling_params import SamplingParams
@@ -175,97 +176,10 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
 
-    # ---- RL rollouts: sleep / wake_up, pause / resume (docs/rl.md) ----------------------------
-
-    async def sleep(self, level: int = 1) -> None:
-        """Free the engine's device memory (as `LLM.sleep`). Requests running meanwhile give up
-        their KV cache; they and new ones wait until `wake_up` and then run (recomputed)."""
-        await self._call("sleep", level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what `sleep` freed: everything, or the parts in `tags` ("weights", "kv_cache")."""
-        await self._call("wake_up", None if tags is None else list(tags))
-
-    async def is_sleeping(self) -> bool:
-        return await self._call("is_sleeping")
-
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Hold generation until `resume_generation`; requests that arrive meanwhile wait.
-
-        mode="abort": running and waiting requests end now with finish_reason "abort" and their
-        tokens so far. mode="wait": returns once the running requests have finished; no new one
-        starts. mode="keep": running requests freeze and continue after the resume. Steps in
-        flight land first. `clear_cache` resets the prefix cache; with "keep" the frozen requests'
-        KV cache is dropped too and recomputed after the resume (with the weights then in place);
-        `clear_cache=False` keeps it. Every output's `weight_versions` says which weights
-        sampled which tokens."""
-        await self._call("pause_generation", mode, clear_cache)
-
-    async def resume_generation(self) -> None:
-        await self._call("resume_generation")
-
-    async def is_paused(self) -> bool:
-        return await self._call("is_paused")
-
-    # ---- RL rollouts: weight updates (as `LLM`'s; docs/rl.md) ------------------------------
-
-    async def update_weights_from_disk(
-        self, path: str, weight_version: str | None = None, reset_prefix_cache: bool = True
-    ) -> str:
-        return await self._call("update_weights_from_disk", str(path), weight_version, reset_prefix_cache)
-
-    async def update_weights_from_tensors(
-        self,
-        named_tensors: Any,
-        weight_version: str | None = None,
-        reset_prefix_cache: bool = True,
-        bucket_bytes: int | None = None,
-    ) -> str:
-        from shoal.frontend.weight_updates import named_tensor_list, needs_check_first, tensor_update_calls
-        from shoal.rl.buckets import DEFAULT_BUCKET_BYTES
-
-        named = named_tensor_list(named_tensors)
-        metas = needs_check_first(named)
-        if metas is not None:
-            await self._call("check_weights", metas)
-        version = ""
-        for buckets, final in tensor_update_calls(named, bucket_bytes or DEFAULT_BUCKET_BYTES):
-            version = await self._call(
-                "update_weights_from_tensors", buckets, weight_version, reset_prefix_cache, final
-            )
-        return version
-
-    async def init_weight_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
-    ) -> None:
-        await self._call("init_weight_update_group", master_address, master_port, rank_offset, world_size, backend)
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        weight_version: str | None = None,
-        reset_prefix_cache: bool = True,
-        bucket_bytes: int | None = None,
-    ) -> str:
-        from shoal.engine_core.weight_updates import DEFAULT_BUCKET_BYTES
-
-        return await self._call(
-            "update_weights_from_distributed",
-            list(names),
-            [str(d).removeprefix("torch.") for d in dtypes],
-            [list(s) for s in shapes],
-            weight_version,
-            reset_prefix_cache,
-            bucket_bytes or DEFAULT_BUCKET_BYTES,
-        )
-
-    async def destroy_weight_update_group(self) -> None:
-        await self._call("destroy_weight_update_group")
-
-    async def get_weight_version(self) -> str:
-        return await self._call("get_weight_version")
+    # ---- RL rollouts (docs/rl.md) --------------------------------------------------------------
+    # sleep / wake_up, pause_generation / resume_generation, the weight updates, ...: one
+    # coroutine method per verb of shoal/rl_verbs.py, made from its declaration
+    # (install_verb_methods, at the end of this file); each awaits `_call`.
 
     async def start_profile(self, profile_dir: str | None = None) -> None:
         """As `LLM.start_profile`."""
@@ -301,3 +215,6 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+install_verb_methods(AsyncLLM, async_method)

@@ -39,11 +39,11 @@ from typing import Any
 
 import zmq
 
-from shoal import socket_auth
+from shoal import rl_verbs, socket_auth
 from shoal.config import EngineConfig
+from shoal.engine_core.utilities import call_utility
 from shoal.errors import EngineDeadError
 from shoal.protocol import (
-    SETTLING_METHODS,
     Abort,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -123,8 +123,8 @@ class InprocClient(EngineCoreClient):
         return self.core.step()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        result = getattr(self.core, method)(*args)
-        if method in SETTLING_METHODS:
+        result = call_utility(self.core, method, args)
+        if rl_verbs.settles(method):
             # A "wait" pause returns once its requests have finished: step them here, keeping
             # their outputs for get_output (asleep, nothing could run: return at once).
             while not self.core.settle_pause() and self.core.has_work():
@@ -559,8 +559,8 @@ class AsyncInprocClient:
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         try:
-            result = await asyncio.to_thread(self._locked, getattr(self.core, method), *args)
-            if method in SETTLING_METHODS:
+            result = await asyncio.to_thread(self._locked, call_utility, self.core, method, args)
+            if rl_verbs.settles(method):
                 # A "wait" pause returns once its requests have finished; the output handler
                 # steps them meanwhile.
                 while not await asyncio.to_thread(self._locked, self.core.settle_pause):

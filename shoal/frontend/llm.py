@@ -24,6 +24,7 @@ from shoal.frontend.core_client import EngineCoreClient, InprocClient, SyncMPCli
 from shoal.frontend.input_processor import PromptType
 from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
+from shoal.frontend.verb_methods import install_verb_methods, sync_method
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
@@ -142,7 +143,7 @@ class LLM:
     def _check_not_held(self) -> None:
         """Requests on an engine that is asleep or paused would wait for a call that this
         thread, blocked in generate, could never make: fail instead."""
-        hold = self.engine_core.call_utility("generation_hold")
+        hold = self._call("generation_hold")
         if hold is not None:
             raise GenerationHeldError(f"{hold} (LLM.generate would wait forever)")
 
@@ -164,105 +165,12 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
 
-    # ---- RL rollouts: sleep / wake_up, pause / resume (docs/rl.md) ----------------------------
+    # ---- RL rollouts (docs/rl.md) --------------------------------------------------------------
+    # sleep / wake_up, pause_generation / resume_generation, the weight updates, ...: one method
+    # per verb of shoal/rl_verbs.py, made from its declaration (install_verb_methods, below).
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the engine's device memory: level 1 moves the weights to pinned host memory and
-        drops the KV cache, level 2 drops both (new weights come with an update). Until
-        `wake_up` no step runs, and `generate` raises `GenerationHeldError`."""
-        self.engine_core.call_utility("sleep", level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what `sleep` freed: everything, or the parts in `tags` ("weights",
-        "kv_cache"), e.g. the weights first to update them before the KV cache comes back."""
-        self.engine_core.call_utility("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        """True while any part dropped by `sleep` is still asleep."""
-        return self.engine_core.call_utility("is_sleeping")
-
-    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Hold generation until `resume_generation` (see `AsyncLLM.pause_generation`; here
-        nothing runs between `generate` calls, and `generate` raises while paused)."""
-        self.engine_core.call_utility("pause_generation", mode, clear_cache)
-
-    def resume_generation(self) -> None:
-        self.engine_core.call_utility("resume_generation")
-
-    def is_paused(self) -> bool:
-        return self.engine_core.call_utility("is_paused")
-
-    # ---- RL rollouts: weight updates (docs/rl.md) -------------------------------------------
-    # Each returns the new weight version; a refused update (an unknown name, a wrong shape or
-    # dtype, weights asleep) raises ValueError and leaves the old weights serving.
-
-    def update_weights_from_disk(
-        self, path: str, weight_version: str | None = None, reset_prefix_cache: bool = True
-    ) -> str:
-        """Load new weights from a safetensors folder (Hugging Face names, any float dtype)."""
-        return self.engine_core.call_utility("update_weights_from_disk", str(path), weight_version, reset_prefix_cache)
-
-    def update_weights_from_tensors(
-        self,
-        named_tensors: Any,
-        weight_version: str | None = None,
-        reset_prefix_cache: bool = True,
-        bucket_bytes: int | None = None,
-    ) -> str:
-        """Load (name, tensor) pairs (a dict, a list of pairs or a module's parameters) from
-        this process, whole Hugging Face tensors in the engine's dtype. CPU tensors travel as
-        bytes; CUDA tensors through CUDA IPC, one bucket of `bucket_bytes` at a time."""
-        from shoal.frontend.weight_updates import named_tensor_list, needs_check_first, tensor_update_calls
-        from shoal.rl.buckets import DEFAULT_BUCKET_BYTES
-
-        named = named_tensor_list(named_tensors)
-        metas = needs_check_first(named)
-        if metas is not None:
-            self.engine_core.call_utility("check_weights", metas)
-        version = ""
-        for buckets, final in tensor_update_calls(named, bucket_bytes or DEFAULT_BUCKET_BYTES):
-            version = self.engine_core.call_utility(
-                "update_weights_from_tensors", buckets, weight_version, reset_prefix_cache, final
-            )
-        return version
-
-    def init_weight_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
-    ) -> None:
-        """Join a trainer's weight-update group (rank 0: its `shoal.rl.WeightSender`, built at
-        the same time); this engine's workers are ranks `rank_offset` on."""
-        self.engine_core.call_utility(
-            "init_weight_update_group", master_address, master_port, rank_offset, world_size, backend
-        )
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        weight_version: str | None = None,
-        reset_prefix_cache: bool = True,
-        bucket_bytes: int | None = None,
-    ) -> str:
-        """Receive the trainer's `WeightSender.send` of these tensors (run it concurrently:
-        this call returns once every bucket has arrived and been loaded)."""
-        from shoal.engine_core.weight_updates import DEFAULT_BUCKET_BYTES
-
-        return self.engine_core.call_utility(
-            "update_weights_from_distributed",
-            list(names),
-            [str(d).removeprefix("torch.") for d in dtypes],
-            [list(s) for s in shapes],
-            weight_version,
-            reset_prefix_cache,
-            bucket_bytes or DEFAULT_BUCKET_BYTES,
-        )
-
-    def destroy_weight_update_group(self) -> None:
-        self.engine_core.call_utility("destroy_weight_update_group")
-
-    def get_weight_version(self) -> str:
-        return self.engine_core.call_utility("get_weight_version")
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.engine_core.call_utility(method, *args)
 
     @property
     def weight_version(self) -> str:
@@ -298,6 +206,9 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+install_verb_methods(LLM, sync_method)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

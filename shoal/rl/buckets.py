@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 512 << 20
 ALIGN_BYTES = 256
 
 # The dtypes a weight may have, by the names that travel in metadata ("bfloat16", ...).

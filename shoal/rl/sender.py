@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from shoal.rl.buckets import DEFAULT_BUCKET_BYTES, named_tensors_of, pack, plan_buckets, tensor_meta
+from shoal.rl.buckets import named_tensors_of, pack, plan_buckets, tensor_meta
 from shoal.rl.group import DEFAULT_TIMEOUT_S, WeightUpdateGroup
+from shoal.rl_verbs import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
 

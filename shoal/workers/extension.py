@@ -15,6 +15,8 @@ import functools
 import importlib
 from typing import Any
 
+from shoal import rl_verbs
+
 
 def load_worker_extension(path: str) -> type:
     """The class `path` names ("pkg.module:Class", or "pkg.module.Class" as vLLM spells it);
@@ -51,7 +53,9 @@ def worker_class(path: str | None) -> type:
     if path is None:
         return Worker
     extension = load_worker_extension(path)
-    check_clashes(extension, {name for name in dir(Worker) if not _is_dunder(name)}, path)
+    # The RL verbs a worker implements (shoal/rl_verbs.py) are its names too: `call` runs them.
+    verbs = {verb.name for verb in rl_verbs.declared() if verb.worker is not None}
+    check_clashes(extension, {name for name in dir(Worker) if not _is_dunder(name)} | verbs, path)
     return type("Worker", (extension, Worker), {"__doc__": f"Worker with the extension {path}"})
 
 

@@ -26,7 +26,7 @@ import torch
 from shoal.models.loader import iterate_safetensors, safetensors_files
 from shoal.rl.buckets import DTYPES, TensorMeta, as_metas, bucket_offsets, plan_buckets, unpack
 from shoal.rl.group import WeightUpdateGroup
-from shoal.rl.tensor_transfer import bucket_metas, open_bucket
+from shoal.rl.tensor_transfer import bucket_metas, decode_metas, open_bucket
 from shoal.workers.sleep import WEIGHTS
 
 if TYPE_CHECKING:
@@ -100,6 +100,10 @@ class WeightUpdates:
             return None
         more = len(problems) - _MAX_PROBLEMS_SHOWN
         return "; ".join(problems[:_MAX_PROBLEMS_SHOWN]) + (f" (and {more} more)" if more > 0 else "")
+
+    def check_encoded(self, metas: list[list[Any]]) -> str | None:
+        """`check` of [name, dtype, shape] lists (shoal/rl/tensor_transfer.py's `encode_metas`)."""
+        return self.check(decode_metas(metas))
 
     def _problem(self, meta: TensorMeta, exact_dtype: bool) -> str | None:
         expected = self.expected_shapes.get(meta.name)

@@ -2,8 +2,9 @@
 
 The same class runs in the engine-core process (`UniProcExecutor`) and inside a Ray actor
 (`RayExecutor`), one per GPU or CPU bundle. Start-up: `init_device`, then (several workers only)
-`init_distributed`, then `load_model`. `sleep` / `wake_up` free and restore the weights' and KV
-cache's memory (shoal/workers/sleep.py). After a peer's death the survivors `leave_distributed`
+`init_distributed`, then `load_model`. The RL verbs' worker side (sleep / wake_up:
+shoal/workers/sleep.py; weight updates: shoal/workers/weight_updates.py) is reached through `call`
+by the paths shoal/rl_verbs.py declares. After a peer's death the survivors `leave_distributed`
 and join the new world with the peer's replacement (see docs/fault_tolerance.md).
 """
 
@@ -11,17 +12,17 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from shoal import envs
+from shoal import envs, rl_verbs
 from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
-from shoal.rl.tensor_transfer import decode_metas
 from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
@@ -150,51 +151,20 @@ class Worker:
         self.runner.sample_tokens(grammar)
 
     def call(self, method: str | Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run a `collective_rpc` call: a method of this worker by name, or a function that
-        receives the worker as its first argument."""
+        """Run a `collective_rpc` call: an RL verb's implementation on this worker (its `worker`
+        path in shoal/rl_verbs.py: "sleep" runs `self.sleeper.sleep`), a method of this worker
+        by name, or a function that receives the worker as its first argument."""
         if callable(method):
             return method(self, *args, **kwargs)
+        verb_path = rl_verbs.worker_path(method)
+        if verb_path is not None:
+            return operator.attrgetter(verb_path)(self)(*args, **kwargs)
         if method.startswith("_") or not hasattr(self, method):
             raise ValueError(f"workers have no method {method!r}")
         return getattr(self, method)(*args, **kwargs)
 
     def check_health(self) -> bool:
         return True
-
-    def sleep(self, level: int = 1) -> int:
-        """Free the device memory of the weights (level 1: kept in pinned host memory; level 2:
-        discarded) and of the KV cache; returns the bytes freed."""
-        return self.sleeper.sleep(level)
-
-    def wake_up(self, tags: list[str]) -> None:
-        """Restore the parts `tags` names ("weights", "kv_cache") that are asleep."""
-        self.sleeper.wake_up(tags)
-
-    # ---- RL weight updates (shoal/workers/weight_updates.py): each returns the error that
-    # kept the weights unchanged, or None once they are written ---------------------------------
-
-    def update_weights_from_disk(self, path: str) -> str | None:
-        return self.weight_updates.from_disk(path)
-
-    def update_weights_from_tensors(self, buckets: list[dict[str, Any]]) -> str | None:
-        return self.weight_updates.from_tensors(buckets)
-
-    def init_weight_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
-    ) -> str | None:
-        return self.weight_updates.init_group(master_address, master_port, rank_offset, world_size, backend)
-
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int
-    ) -> str | None:
-        return self.weight_updates.from_distributed(names, dtypes, shapes, bucket_bytes)
-
-    def check_weights(self, metas: list[list[Any]]) -> str | None:
-        """Why an update of these [name, dtype, shape] would be refused, or None."""
-        return self.weight_updates.check(decode_metas(metas))
-
-    def destroy_weight_update_group(self) -> None:
-        self.weight_updates.destroy_group()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold on this worker's device now."""

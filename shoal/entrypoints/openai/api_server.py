@@ -141,7 +141,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
     if args.enable_rl_endpoints:
         from shoal.entrypoints.openai import rl_routes
 
-        app.include_router(rl_routes.router)
+        app.include_router(rl_routes.rl_router())
     install_exception_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=args.max_request_body_bytes)
     if args.api_key:

@@ -1,44 +1,65 @@
 """HTTP routes for RL rollouts, present only with `shoal serve --enable-rl-endpoints` (behind
-`--api-key` like every other route): sleep / wake_up, pause / resume and weight updates.
+`--api-key` like every other route): one route per `Route` of the RL verbs declared in
+shoal/rl_verbs.py (sleep / wake_up, pause / resume, weight updates; docs/rl.md lists them).
 
-    POST /sleep?level=1                      free the engine's GPU memory (level 1 or 2)
-    POST /wake_up[?tags=weights&tags=kv_cache]   restore all of it, or the parts named
-    GET  /is_sleeping                        {"is_sleeping": bool}
-    POST /pause?mode=abort&clear_cache=true  hold generation (mode abort | wait | keep)
-    POST /resume                             generate again
-    GET  /is_paused                          {"is_paused": bool}
-    POST /init_weight_update_group           join a trainer's group {master_address, master_port,
-                                             rank_offset, world_size, backend}
-    POST /update_weights_from_distributed    receive its broadcast {names, dtypes, shapes,
-                                             weight_version, reset_prefix_cache, bucket_bytes}
-    POST /update_weights_from_disk           load a safetensors folder {path (or model_path), ...}
-    POST /destroy_weight_update_group        leave the group
-    GET  /weight_version                     {"weight_version": str}
-
-Arguments come as query parameters (as vLLM's routes take them) or as a JSON object body (as
-SGLang's do: {"level": 2}, {"tags": ["weights"]}, {"mode": "keep", "clear_cache": false}); a
-bad value is a 400 with an OpenAI error body. `/pause` with mode=wait answers once the running
-requests have finished. See docs/rl.md.
+A route's fields are its verb's parameters. They come as query parameters (as vLLM's routes
+take them; a list repeated, `?tags=weights&tags=kv_cache`, or comma-separated) or as a JSON
+object body (as SGLang's do: {"level": 2}, {"tags": ["weights"]}), and are read by their
+declared type; a missing or bad value is a 400 with an OpenAI error body, as is the engine's
+ValueError. The route calls the `AsyncLLM` method of the verb and answers the route's `answer`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
+from shoal import rl_verbs
 from shoal.entrypoints.openai.errors import bad_request, engine_dead
+from shoal.rl_verbs import RESULT, Query, Route, Verb
 
 if TYPE_CHECKING:
     from shoal.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
-
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+_MISSING = object()
+
+
+def rl_router() -> APIRouter:
+    """The routes of every RL verb declared now."""
+    router = APIRouter()
+    for verb in rl_verbs.declared():
+        for route in verb.routes:
+            router.add_api_route(route.path, _endpoint(verb, route), methods=[route.method], name=verb.name)
+    return router
+
+
+def _endpoint(verb: Verb, route: Route) -> Callable[[Request], Awaitable[dict[str, Any]]]:
+    parameters = verb.signature.parameters.values()
+    readers = {p.name: _reader(verb, p.annotation) for p in parameters}
+
+    async def endpoint(request: Request) -> dict[str, Any]:
+        engine = _engine(request)
+        fields = await _fields(request, route, list_names={n for n, r in readers.items() if r in _LIST_READERS})
+        arguments = {}
+        for parameter in parameters:
+            value = fields.get(parameter.name, _MISSING)
+            if value is _MISSING or value is None:
+                if parameter.default is parameter.empty:
+                    raise bad_request(f"{parameter.name} is required", parameter.name)
+                value = parameter.default
+            arguments[parameter.name] = value if value is None else readers[parameter.name](parameter.name, value)
+        result = await getattr(engine, verb.name)(**arguments)
+        return await _answer(engine, route.answer, result)
+
+    endpoint.__name__ = verb.name
+    return endpoint
 
 
 def _engine(request: Request) -> AsyncLLM:
@@ -48,34 +69,52 @@ def _engine(request: Request) -> AsyncLLM:
     return engine
 
 
-async def _arguments(request: Request) -> dict[str, Any]:
-    """The call's arguments: the JSON body's fields, then the query parameters (repeated ones,
-    like tags, as lists)."""
-    arguments: dict[str, Any] = {}
+async def _fields(request: Request, route: Route, list_names: set[str]) -> dict[str, Any]:
+    """The call's fields: the JSON body's, then the query parameters (a list field's values
+    repeated or comma-separated), each under its parameter's name (`route.aliases`)."""
+    fields: dict[str, Any] = {}
     body = await request.body()
     if body.strip():
         try:
-            arguments = json.loads(body)
+            fields = json.loads(body)
         except ValueError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}") from exc
-        if not isinstance(arguments, dict):
+        if not isinstance(fields, dict):
             raise bad_request("the body must be a JSON object")
     for key in request.query_params:
         values = request.query_params.getlist(key)
-        arguments[key] = values if key == "tags" else values[-1]
-    return arguments
+        name = route.aliases.get(key, key)
+        fields[key] = (
+            [part for value in values for part in value.split(",") if part] if name in list_names else values[-1]
+        )
+    for alias, name in route.aliases.items():
+        if alias in fields and fields.get(name) is None:
+            fields[name] = fields.pop(alias)
+    return fields
 
 
-def _int(arguments: dict[str, Any], name: str, default: int) -> int:
-    value = arguments.get(name, default)
+async def _answer(engine: AsyncLLM, template: Mapping[str, Any], result: Any) -> dict[str, Any]:
+    answer = {}
+    for key, value in template.items():
+        if value is RESULT:
+            value = result
+        elif isinstance(value, Query):
+            value = await getattr(engine, value.verb)()
+        answer[key] = value
+    return answer
+
+
+# ---- reading a field as its parameter's declared type ------------------------------------------
+
+
+def _int(name: str, value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
         raise bad_request(f"{name} must be an integer, got {value!r}", name) from None
 
 
-def _bool(arguments: dict[str, Any], name: str, default: bool) -> bool:
-    value = arguments.get(name, default)
+def _bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if str(value).lower() in _TRUE + _FALSE:
@@ -83,78 +122,21 @@ def _bool(arguments: dict[str, Any], name: str, default: bool) -> bool:
     raise bad_request(f"{name} must be true or false, got {value!r}", name)
 
 
-def _tags(arguments: dict[str, Any]) -> list[str] | None:
-    tags = arguments.get("tags")
-    if tags is None:
-        return None
-    if isinstance(tags, str):
-        tags = [tags]
-    if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
-        raise bad_request("tags must be a list of strings", "tags")
-    # ?tags=weights,kv_cache as well as ?tags=weights&tags=kv_cache
-    return [tag for value in tags for tag in value.split(",") if tag]
-
-
-@router.post("/sleep")
-async def sleep(request: Request) -> dict[str, bool]:
-    engine = _engine(request)
-    await engine.sleep(_int(await _arguments(request), "level", 1))
-    return {"is_sleeping": True}
-
-
-@router.post("/wake_up")
-async def wake_up(request: Request) -> dict[str, bool]:
-    engine = _engine(request)
-    await engine.wake_up(_tags(await _arguments(request)))
-    return {"is_sleeping": await engine.is_sleeping()}
-
-
-@router.get("/is_sleeping")
-async def is_sleeping(request: Request) -> dict[str, bool]:
-    return {"is_sleeping": await _engine(request).is_sleeping()}
-
-
-@router.post("/pause")
-async def pause(request: Request) -> dict[str, bool]:
-    engine = _engine(request)
-    arguments = await _arguments(request)
-    mode = arguments.get("mode", "abort")
-    await engine.pause_generation(str(mode), _bool(arguments, "clear_cache", True))
-    return {"is_paused": True}
-
-
-@router.post("/resume")
-async def resume(request: Request) -> dict[str, bool]:
-    engine = _engine(request)
-    await engine.resume_generation()
-    return {"is_paused": False}
-
-
-@router.get("/is_paused")
-async def is_paused(request: Request) -> dict[str, bool]:
-    return {"is_paused": await _engine(request).is_paused()}
-
-
-# ---- weight updates ---------------------------------------------------------------------------
-
-
-def _required(arguments: dict[str, Any], name: str) -> Any:
-    if arguments.get(name) is None:
-        raise bad_request(f"{name} is required", name)
-    return arguments[name]
-
-
-def _optional_str(arguments: dict[str, Any], name: str) -> str | None:
-    value = arguments.get(name)
-    if value is not None and not isinstance(value, str):
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
         raise bad_request(f"{name} must be a string, got {value!r}", name)
     return value
 
 
-def _list_of(arguments: dict[str, Any], name: str, check: Any, what: str) -> list:
-    value = _required(arguments, name)
-    if not isinstance(value, list) or not all(check(item) for item in value):
-        raise bad_request(f"{name} must be a list of {what}", name)
+def _strings(name: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise bad_request(f"{name} must be a list of strings", name)
+    return value
+
+
+def _shapes(name: str, value: Any) -> list[list[int]]:
+    if not isinstance(value, list) or not all(_is_shape(item) for item in value):
+        raise bad_request(f"{name} must be a list of lists of integers", name)
     return value
 
 
@@ -162,57 +144,29 @@ def _is_shape(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(size, int) and not isinstance(size, bool) for size in value)
 
 
-@router.post("/init_weight_update_group")
-async def init_weight_update_group(request: Request) -> dict[str, bool]:
-    engine = _engine(request)
-    arguments = await _arguments(request)
-    await engine.init_weight_update_group(
-        str(_required(arguments, "master_address")),
-        _int(arguments, "master_port", _required(arguments, "master_port")),
-        _int(arguments, "rank_offset", 1),
-        _int(arguments, "world_size", _required(arguments, "world_size")),
-        _optional_str(arguments, "backend"),
-    )
-    return {"success": True}
+def _as_is(name: str, value: Any) -> Any:
+    return value
 
 
-@router.post("/update_weights_from_distributed")
-async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
-    """Answers once every bucket of the trainer's broadcast has been received and loaded."""
-    engine = _engine(request)
-    arguments = await _arguments(request)
-    version = await engine.update_weights_from_distributed(
-        _list_of(arguments, "names", lambda n: isinstance(n, str), "strings"),
-        _list_of(arguments, "dtypes", lambda d: isinstance(d, str), "strings"),
-        _list_of(arguments, "shapes", _is_shape, "lists of integers"),
-        weight_version=_optional_str(arguments, "weight_version"),
-        reset_prefix_cache=_bool(arguments, "reset_prefix_cache", True),
-        bucket_bytes=_int(arguments, "bucket_bytes", 0) or None,
-    )
-    return {"success": True, "weight_version": version}
+# By declared type; `X | None` reads as X (None, or no value, is the default).
+_READERS: dict[Any, Callable[[str, Any], Any]] = {
+    int: _int,
+    bool: _bool,
+    str: _str,
+    list[str]: _strings,
+    list[list[int]]: _shapes,
+    Any: _as_is,
+}
+_LIST_READERS = (_strings, _shapes)
 
 
-@router.post("/update_weights_from_disk")
-async def update_weights_from_disk(request: Request) -> dict[str, Any]:
-    engine = _engine(request)
-    arguments = await _arguments(request)
-    path = arguments.get("path", arguments.get("model_path"))  # model_path: SGLang's name
-    if not isinstance(path, str) or not path:
-        raise bad_request("path (a safetensors folder on the server) is required", "path")
-    version = await engine.update_weights_from_disk(
-        path,
-        weight_version=_optional_str(arguments, "weight_version"),
-        reset_prefix_cache=_bool(arguments, "reset_prefix_cache", True),
-    )
-    return {"success": True, "weight_version": version}
-
-
-@router.post("/destroy_weight_update_group")
-async def destroy_weight_update_group(request: Request) -> dict[str, bool]:
-    await _engine(request).destroy_weight_update_group()
-    return {"success": True}
-
-
-@router.get("/weight_version")
-async def weight_version(request: Request) -> dict[str, str]:
-    return {"weight_version": await _engine(request).get_weight_version()}
+def _reader(verb: Verb, annotation: Any) -> Callable[[str, Any], Any]:
+    """How a route reads a field of this type; a verb whose route could not read a parameter
+    fails when the router is built."""
+    args = getattr(annotation, "__args__", ())
+    if type(None) in args and len(args) == 2:  # X | None
+        annotation = next(arg for arg in args if arg is not type(None))
+    reader = _READERS.get(annotation)
+    if reader is None:
+        raise TypeError(f"RL verb {verb.name!r}: a route cannot read a parameter of type {annotation!r}")
+    return reader
