@@ -57,13 +57,15 @@ class Query:
 class Route:
     """An HTTP route of a verb. Its fields are the verb's parameters, from a JSON object body or
     the query string (a list parameter repeated or comma-separated there); `aliases` names other
-    spellings of a field (`{"model_path": "path"}`). `answer` is the JSON answer: constants,
-    `RESULT`, `Query(...)`."""
+    spellings of a field (`{"model_path": "path"}`), `defaults` the route's own defaults of
+    parameters the signature requires. `answer` is the JSON answer: constants, `RESULT`,
+    `Query(...)`."""
 
     method: Literal["GET", "POST"]
     path: str
     answer: Mapping[str, Any]
     aliases: Mapping[str, str] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,10 @@ def check_weights(metas: list[list[Any]]) -> None:
     """Raise ValueError if an update of these [name, dtype, shape] would be refused."""
 
 
-@verb(worker="weight_updates.init_group", routes=(Route("POST", "/init_weight_update_group", {"success": True}),))
+@verb(
+    worker="weight_updates.init_group",
+    routes=(Route("POST", "/init_weight_update_group", {"success": True}, defaults={"rank_offset": 1}),),
+)
 def init_weight_update_group(
     master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
 ) -> None:

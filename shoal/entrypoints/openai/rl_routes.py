@@ -51,9 +51,9 @@ def _endpoint(verb: Verb, route: Route) -> Callable[[Request], Awaitable[dict[st
         for parameter in parameters:
             value = fields.get(parameter.name, _MISSING)
             if value is _MISSING or value is None:
-                if parameter.default is parameter.empty:
+                value = route.defaults.get(parameter.name, parameter.default)
+                if value is parameter.empty:
                     raise bad_request(f"{parameter.name} is required", parameter.name)
-                value = parameter.default
             arguments[parameter.name] = value if value is None else readers[parameter.name](parameter.name, value)
         result = await getattr(engine, verb.name)(**arguments)
         return await _answer(engine, route.answer, result)
