@@ -114,8 +114,16 @@ def declare(declaration: Verb) -> Verb:
     if clashes:
         raise ValueError(f"RL verb names {clashes} are declared already")
     _VERBS[declaration.name] = declaration
-    for listener in list(_listeners):
-        listener(declaration, True)
+    notified: list[Callable[[Verb, bool], None]] = []
+    try:
+        for listener in list(_listeners):
+            listener(declaration, True)
+            notified.append(listener)
+    except Exception:  # e.g. a name `LLM` has already: the verb is not declared
+        del _VERBS[declaration.name]
+        for listener in notified:
+            listener(declaration, False)
+        raise
     return declaration
 
 
