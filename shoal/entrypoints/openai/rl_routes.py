@@ -11,6 +11,7 @@ ValueError. The route calls the `AsyncLLM` method of the verb and answers the ro
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
-_MISSING = object()
 
 
 def rl_router() -> APIRouter:
@@ -41,25 +41,33 @@ def rl_router() -> APIRouter:
 
 
 def _endpoint(verb: Verb, route: Route) -> Callable[[Request], Awaitable[dict[str, Any]]]:
-    parameters = verb.signature.parameters.values()
+    parameters = list(verb.signature.parameters.values())
     readers = {p.name: _reader(verb, p.annotation) for p in parameters}
+    list_fields = {name for name, reader in readers.items() if reader in _LIST_READERS}
 
     async def endpoint(request: Request) -> dict[str, Any]:
         engine = _engine(request)
-        fields = await _fields(request, route, list_names={n for n, r in readers.items() if r in _LIST_READERS})
-        arguments = {}
-        for parameter in parameters:
-            value = fields.get(parameter.name, _MISSING)
-            if value is _MISSING or value is None:
-                value = route.defaults.get(parameter.name, parameter.default)
-                if value is parameter.empty:
-                    raise bad_request(f"{parameter.name} is required", parameter.name)
-            arguments[parameter.name] = value if value is None else readers[parameter.name](parameter.name, value)
+        fields = await _fields(request, route, list_fields)
+        arguments = {p.name: _argument(p, fields, route, readers[p.name]) for p in parameters}
         result = await getattr(engine, verb.name)(**arguments)
         return await _answer(engine, route.answer, result)
 
     endpoint.__name__ = verb.name
     return endpoint
+
+
+def _argument(
+    parameter: inspect.Parameter, fields: dict[str, Any], route: Route, reader: Callable[[str, Any], Any]
+) -> Any:
+    """The field read as its parameter's type; absent (or null): the route's default, else the
+    signature's, else a 400."""
+    value = fields.get(parameter.name)
+    if value is not None:
+        return reader(parameter.name, value)
+    default = route.defaults.get(parameter.name, parameter.default)
+    if default is parameter.empty:
+        raise bad_request(f"{parameter.name} is required", parameter.name)
+    return default
 
 
 def _engine(request: Request) -> AsyncLLM:
@@ -69,7 +77,7 @@ def _engine(request: Request) -> AsyncLLM:
     return engine
 
 
-async def _fields(request: Request, route: Route, list_names: set[str]) -> dict[str, Any]:
+async def _fields(request: Request, route: Route, list_fields: set[str]) -> dict[str, Any]:
     """The call's fields: the JSON body's, then the query parameters (a list field's values
     repeated or comma-separated), each under its parameter's name (`route.aliases`)."""
     fields: dict[str, Any] = {}
@@ -85,7 +93,7 @@ async def _fields(request: Request, route: Route, list_names: set[str]) -> dict[
         values = request.query_params.getlist(key)
         name = route.aliases.get(key, key)
         fields[key] = (
-            [part for value in values for part in value.split(",") if part] if name in list_names else values[-1]
+            [part for value in values for part in value.split(",") if part] if name in list_fields else values[-1]
         )
     for alias, name in route.aliases.items():
         if alias in fields and fields.get(name) is None:
