@@ -20,7 +20,10 @@ A verb is a stub below, its signature and docstring what `LLM` and `AsyncLLM` us
 - the worker: a call of the verb's name runs `worker`, a path from the `Worker`
   ("weight_updates.from_disk"), or the worker's own method of that name (an extension's too).
 
-So a new verb is one declaration here plus its implementation (docs/rl.md, "Adding a verb").
+A stub's signature is the caller's; the engine core and the workers get what the layer above
+sends them (the same arguments, unless a `frontend` plan or the engine core's method makes
+others). So a new verb is one declaration here plus its implementation (docs/rl.md, "Adding a
+verb").
 Each process has the verbs this module declares. It imports no torch: the engine core reads it.
 """
 
@@ -31,7 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# The size of a weight bucket, unless the caller says (shoal/rl/buckets.py).
+# A weight bucket's size (shoal/rl/buckets.py) where the caller gives none: here, without torch,
+# for the engine core and the trainer's side alike.
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 Layer = Literal["engine_core", "workers"]
