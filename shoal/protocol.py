@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from shoal.engine_core.batch import LogprobsLists
 from shoal.sampling_params import SamplingParams
+from shoal.step import LogprobsLists
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -7,16 +7,8 @@ import inspect
 import msgspec
 import pytest
 
-import shoal.engine_core.batch as batch
 import shoal.protocol as protocol
-from shoal.engine_core.batch import (
-    CachedRequestData,
-    GrammarBitmask,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+import shoal.step as step
 from shoal.protocol import (
     Abort,
     EngineCoreOutput,
@@ -32,6 +24,14 @@ from shoal.protocol import (
     encode,
 )
 from shoal.sampling_params import SamplingParams, StructuredOutputsParams
+from shoal.step import (
+    CachedRequestData,
+    GrammarBitmask,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 PARAMS = SamplingParams(
     temperature=0.7,
@@ -174,7 +174,7 @@ def test_msgpack_roundtrip_is_exact(value: msgspec.Struct) -> None:
 def test_every_wire_struct_has_a_roundtrip_example() -> None:
     structs = {
         obj
-        for module in (protocol, batch)
+        for module in (protocol, step)
         for _, obj in inspect.getmembers(module, inspect.isclass)
         if issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__
     }

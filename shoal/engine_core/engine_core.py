@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.config import EngineConfig
-from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
@@ -28,6 +27,7 @@ from shoal.engine_core.worker_restarts import RestartBudget
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
+from shoal.step import GrammarBitmask, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine_core.batch import (
+from shoal.engine_core.block_pool import KVCacheBlock
+from shoal.engine_core.kv_cache_manager import KVCacheManager
+from shoal.engine_core.request import Request, RequestStatus
+from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from shoal.step import (
     CachedRequestData,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from shoal.engine_core.block_pool import KVCacheBlock
-from shoal.engine_core.kv_cache_manager import KVCacheManager
-from shoal.engine_core.request import Request, RequestStatus
-from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 if TYPE_CHECKING:
     from shoal.structured_output.manager import StructuredOutputManager

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shoal.engine_core.batch import GrammarBitmask
+from shoal.step import GrammarBitmask
 
 
 class GrammarBitmaskLoader:

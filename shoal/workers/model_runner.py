@@ -29,10 +29,10 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
-from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
+from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
 from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
 from shoal.workers.input_batch import InputBatch, RequestState
