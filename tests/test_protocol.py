@@ -254,3 +254,21 @@ def test_framing_refuses_a_struct_of_the_wrong_type() -> None:
         encode(MessageType.ABORT, EngineDead(message="x"))
     with pytest.raises(ValueError):
         decode([b"\x7f", b""])
+
+
+STEP_EXAMPLES = [value for value in EXAMPLES if type(value).__module__ == step.__name__]
+
+
+@pytest.mark.parametrize("value", STEP_EXAMPLES, ids=lambda v: type(v).__name__)
+def test_a_step_cannot_be_changed_once_built(value: msgspec.Struct) -> None:
+    """What the scheduler built is what the workers get: every field of every step struct is
+    read-only (a step's bitmask travels in it or follows it, decided as it is built)."""
+    for name in value.__struct_fields__:
+        with pytest.raises(AttributeError):
+            setattr(value, name, getattr(value, name))
+
+
+def test_every_step_struct_is_frozen() -> None:
+    structs = {type(value) for value in STEP_EXAMPLES}
+    assert {GrammarBitmask, SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput} <= structs
+    assert all(struct.__struct_config__.frozen for struct in structs)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.engine_core.admission import Admission
 from shoal.engine_core.request import RequestStatus
-from shoal.engine_core.scheduler import Admission
 from shoal.step import ModelRunnerOutput
 from tests.engine_core.test_scheduler import (
     add,
