@@ -29,6 +29,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     num_computed_tokens: int
     # The sampler keeps eos (and stop tokens) from being sampled before min_tokens.
     eos_token_id: int | None = None
+    # The LoRA adapter the request runs with (None: the base model). Carried, not used yet.
+    lora_name: str | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -70,6 +72,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, froze
     # `samples_later`.
     grammar: GrammarBitmask | None = None
     grammar_follows: bool = False
+    # Speculative decoding (not used yet): per request, the draft tokens this step verifies
+    # after its last known token; the request's `num_scheduled_tokens` count them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def scheduled_req_ids(self) -> list[str]:

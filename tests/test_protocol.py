@@ -57,6 +57,7 @@ NEW_REQUEST = NewRequestData(
     block_ids=[3, 0, 8],
     num_computed_tokens=4,
     eos_token_id=2,
+    lora_name="sql-adapter",
 )
 CACHED_REQUEST = CachedRequestData(req_id="req-2", new_token_ids=[42], new_block_ids=[11], num_computed_tokens=17)
 SCHEDULER_STATS = SchedulerStats(
@@ -91,6 +92,7 @@ EXAMPLES: list[msgspec.Struct] = [
         eos_token_id=2,
         arrival_time=1712345678.25,
         max_tokens=32,
+        lora_name="sql-adapter",
     ),
     EngineCoreRequest(
         request_id="req-none",
@@ -116,10 +118,11 @@ EXAMPLES: list[msgspec.Struct] = [
     SchedulerOutput(
         new_reqs=[NEW_REQUEST],
         cached_reqs=[CACHED_REQUEST],
-        num_scheduled_tokens={"req-2": 1, "req-1": 3},
-        total_num_scheduled_tokens=4,
+        num_scheduled_tokens={"req-2": 3, "req-1": 3},
+        total_num_scheduled_tokens=6,
         finished_req_ids=["req-0"],
         step_id=9,
+        scheduled_spec_decode_tokens={"req-2": [17, 4]},
     ),
     SchedulerOutput(
         new_reqs=[],

@@ -108,6 +108,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
                 eos_token_id=request.eos_token_id,
                 max_tokens=request.max_tokens,
                 arrival_time=request.arrival_time,
+                lora_name=request.lora_name,
             )
         )
 

@@ -51,6 +51,7 @@ class Request:
         eos_token_id: int | None,
         max_tokens: int,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -89,6 +90,11 @@ class Request:
         self.num_preemptions = 0
         # Its grammar and matcher, for a request with structured output (see StructuredOutputManager).
         self.structured_output: StructuredRequest | None = None
+        # Seams for what comes next, carried but not used yet: the LoRA adapter it runs with
+        # (None: the base model), and draft tokens proposed for its next step (speculative
+        # decoding; they would travel in `SchedulerOutput.scheduled_spec_decode_tokens`).
+        self.lora_name = lora_name
+        self.spec_token_ids: list[int] = []
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -14,7 +14,7 @@ step is ready when the device finishes this one.
 Pauses, sleeps, weight versions and worker restarts are `AdmissionControl`'s (admission.py):
 `schedule` only reads `admission`. Requests with a grammar wait in the structured-output
 manager until it is compiled; the manager names a step's structured rows and fills their
-bitmask.
+bitmask. A `KVConnector` (KV transfer), asked after the prefix cache, may load more of a prompt.
 A step is a frozen `SchedulerOutput`: nothing changes it once it is built.
 """
 
@@ -33,10 +33,12 @@ from shoal.engine_core.admission import Admission, AdmissionControl
 from shoal.engine_core.block_pool import KVCacheBlock
 from shoal.engine_core.kv_cache_manager import KVCacheManager
 from shoal.engine_core.request import Request, RequestStatus
+from shoal.kv_transfer.connector import tokens_to_load
 from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from shoal.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
+    from shoal.kv_transfer.connector import KVConnector
     from shoal.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class Scheduler(AdmissionControl):
         num_kv_blocks: int,
         structured_output: StructuredOutputManager | None = None,
         samples_later: bool = False,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -90,6 +93,7 @@ class Scheduler(AdmissionControl):
         self.samples_later = samples_later
         # Outputs of requests finished outside a step (a grammar that failed to compile).
         self._outputs_outside_steps: list[EngineCoreOutput] = []
+        self.kv_connector = kv_connector  # KV transfer: None, nothing arrives from elsewhere
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -188,9 +192,12 @@ class Scheduler(AdmissionControl):
             if started_only and request.status != RequestStatus.PREEMPTED:
                 break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_computed_tokens = num_hit_tokens
+            # KV transfer: tokens after the hit whose KV can be loaded rather than computed.
+            num_loaded_tokens = tokens_to_load(self.kv_connector, request, num_hit_tokens) if self.kv_connector else 0
+            num_computed_tokens = num_hit_tokens + num_loaded_tokens
             num_new_tokens = min(request.num_tokens - num_computed_tokens, step.budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
+            num_slots = num_loaded_tokens + num_new_tokens
+            if self.kv_cache_manager.allocate_slots(request, num_slots, hit_blocks, num_hit_tokens) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -208,7 +215,11 @@ class Scheduler(AdmissionControl):
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed_tokens,
                 eos_token_id=request.eos_token_id,
+                lora_name=request.lora_name,
             )
+            if num_loaded_tokens:
+                assert self.kv_connector is not None
+                self.kv_connector.load_into(request, new_req.block_ids, num_hit_tokens, num_loaded_tokens)
             step.new_reqs.append(new_req)
             self._add_to_step(step, request, num_new_tokens)
 
