@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_scheduler
 
 from shoal.config import EngineArgs
-from shoal.engine_core.batch import SchedulerOutput
 from shoal.engine_core.process import freeze_start_up_heap
 from shoal.engine_core.scheduler import Scheduler
+from shoal.step import SchedulerOutput
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.sampler import SamplerOutput
 from shoal.workers.step_output import SampledStep

@@ -28,11 +28,11 @@ from collections import deque
 from pathlib import Path
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.engine_core.process import freeze_start_up_heap
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
 from shoal.sampling_params import SamplingParams
+from shoal.step import ModelRunnerOutput, SchedulerOutput
 
 VOCAB_SIZE = 32_000
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from shoal.engine_core.batch import LogprobsLists
 from shoal.sampling_params import SamplingParams
+from shoal.step import LogprobsLists
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -28,6 +28,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     # The most tokens this request may generate (already capped by max_model_len).
     max_tokens: int
+    # The LoRA adapter to run the request with (None: the base model). Carried to the workers
+    # (`NewRequestData.lora_name`); no adapter is loaded yet.
+    lora_name: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -7,16 +7,8 @@ import inspect
 import msgspec
 import pytest
 
-import shoal.engine_core.batch as batch
 import shoal.protocol as protocol
-from shoal.engine_core.batch import (
-    CachedRequestData,
-    GrammarBitmask,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+import shoal.step as step
 from shoal.protocol import (
     Abort,
     EngineCoreOutput,
@@ -32,6 +24,14 @@ from shoal.protocol import (
     encode,
 )
 from shoal.sampling_params import SamplingParams, StructuredOutputsParams
+from shoal.step import (
+    CachedRequestData,
+    GrammarBitmask,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 PARAMS = SamplingParams(
     temperature=0.7,
@@ -57,6 +57,7 @@ NEW_REQUEST = NewRequestData(
     block_ids=[3, 0, 8],
     num_computed_tokens=4,
     eos_token_id=2,
+    lora_name="sql-adapter",
 )
 CACHED_REQUEST = CachedRequestData(req_id="req-2", new_token_ids=[42], new_block_ids=[11], num_computed_tokens=17)
 SCHEDULER_STATS = SchedulerStats(
@@ -91,6 +92,7 @@ EXAMPLES: list[msgspec.Struct] = [
         eos_token_id=2,
         arrival_time=1712345678.25,
         max_tokens=32,
+        lora_name="sql-adapter",
     ),
     EngineCoreRequest(
         request_id="req-none",
@@ -116,10 +118,11 @@ EXAMPLES: list[msgspec.Struct] = [
     SchedulerOutput(
         new_reqs=[NEW_REQUEST],
         cached_reqs=[CACHED_REQUEST],
-        num_scheduled_tokens={"req-2": 1, "req-1": 3},
-        total_num_scheduled_tokens=4,
+        num_scheduled_tokens={"req-2": 3, "req-1": 3},
+        total_num_scheduled_tokens=6,
         finished_req_ids=["req-0"],
         step_id=9,
+        scheduled_spec_decode_tokens={"req-2": [17, 4]},
     ),
     SchedulerOutput(
         new_reqs=[],
@@ -174,7 +177,7 @@ def test_msgpack_roundtrip_is_exact(value: msgspec.Struct) -> None:
 def test_every_wire_struct_has_a_roundtrip_example() -> None:
     structs = {
         obj
-        for module in (protocol, batch)
+        for module in (protocol, step)
         for _, obj in inspect.getmembers(module, inspect.isclass)
         if issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__
     }
@@ -254,3 +257,21 @@ def test_framing_refuses_a_struct_of_the_wrong_type() -> None:
         encode(MessageType.ABORT, EngineDead(message="x"))
     with pytest.raises(ValueError):
         decode([b"\x7f", b""])
+
+
+STEP_EXAMPLES = [value for value in EXAMPLES if type(value).__module__ == step.__name__]
+
+
+@pytest.mark.parametrize("value", STEP_EXAMPLES, ids=lambda v: type(v).__name__)
+def test_a_step_cannot_be_changed_once_built(value: msgspec.Struct) -> None:
+    """What the scheduler built is what the workers get: every field of every step struct is
+    read-only (a step's bitmask travels in it or follows it, decided as it is built)."""
+    for name in value.__struct_fields__:
+        with pytest.raises(AttributeError):
+            setattr(value, name, getattr(value, name))
+
+
+def test_every_step_struct_is_frozen() -> None:
+    structs = {type(value) for value in STEP_EXAMPLES}
+    assert {GrammarBitmask, SchedulerOutput, NewRequestData, CachedRequestData, ModelRunnerOutput} <= structs
+    assert all(struct.__struct_config__.frozen for struct in structs)

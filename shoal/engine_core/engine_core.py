@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.config import EngineConfig
-from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
@@ -28,6 +27,7 @@ from shoal.engine_core.worker_restarts import RestartBudget
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
+from shoal.step import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,13 @@ class EngineCore(GenerationControl, WeightUpdateControl):
 
         self.structured_output = StructuredOutputManager(config.model_config)
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_kv_blocks, structured_output=self.structured_output
+            config.scheduler_config,
+            config.cache_config,
+            num_kv_blocks,
+            structured_output=self.structured_output,
+            samples_later=self.executor.samples_later,
         )
-        # A launched step whose structured rows' bitmask is still owed to the workers (async
+        # A launched step whose bitmask follows it and is still owed to the workers (async
         # scheduling: it is filled once the step before it has landed).
         self._grammar_owed: SchedulerOutput | None = None
         self.batch_queue_size = batches_in_flight(config)
@@ -104,6 +108,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
                 eos_token_id=request.eos_token_id,
                 max_tokens=request.max_tokens,
                 arrival_time=request.arrival_time,
+                lora_name=request.lora_name,
             )
         )
 
@@ -123,8 +128,8 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             return self._idle_outputs()
         execute_start = time.perf_counter()
         try:  # free unless raised (zero-cost exceptions): nothing added to a step
-            if scheduler_output.structured_req_ids:
-                model_output = self._execute_structured(scheduler_output)
+            if scheduler_output.grammar_follows:
+                model_output = self._execute_then_send_grammar(scheduler_output)
             else:
                 model_output = self.executor.execute_model(scheduler_output)
         except WorkerDiedError as exc:
@@ -144,14 +149,12 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_schedulable_requests():
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
-                if scheduler_output.structured_req_ids:
-                    self._prepare_grammar(scheduler_output)
                 launch_start = time.perf_counter()
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 launch_s = time.perf_counter() - launch_start
                 self.batch_queue.append((scheduler_output, future, launch_start - start, launch_s))
-                if scheduler_output.grammar_follows and len(self.batch_queue) == 1:
-                    self._send_grammar(scheduler_output)  # nothing runs before it: its tokens are known
+                if scheduler_output.grammar_follows:
+                    self._owe_grammar(scheduler_output)
                 return self._idle_outputs(wait=False)
         if not self.batch_queue:
             return self._idle_outputs()
@@ -226,34 +229,29 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         """What a step that applied no output reports: the scheduler's statistics, and any
         request finished outside a step. With nothing to run but grammars being compiled, it
         waits a little for them rather than spinning."""
-        if wait and self.scheduler.waiting_for_grammar:
-            self.structured_output.wait_for_any(self.scheduler.waiting_for_grammar, _GRAMMAR_POLL_S)
+        if wait and self.structured_output.compiling:
+            self.structured_output.wait_for_any(self.structured_output.compiling, _GRAMMAR_POLL_S)
         return EngineCoreOutputs(
             outputs=self.scheduler.take_outputs_outside_steps(),
             scheduler_stats=self.scheduler.make_stats(),
             timestamp=time.time(),
         )
 
-    # ---- structured output: the bitmask of a step's structured rows ------------------------
+    # ---- structured output: a step whose bitmask follows its launch ----------------------------
 
-    def _execute_structured(self, scheduler_output: SchedulerOutput) -> Any:
-        """One step with structured rows, synchronously: where the executor takes the bitmask
-        after the launch, it is filled while the forward runs."""
-        self._prepare_grammar(scheduler_output)
-        if not scheduler_output.grammar_follows:
-            return self.executor.execute_model(scheduler_output)
+    def _execute_then_send_grammar(self, scheduler_output: SchedulerOutput) -> Any:
+        """One such step, synchronously: its bitmask is filled while the forward runs."""
         future = self.executor.execute_model(scheduler_output, non_block=True)
         self._send_grammar(scheduler_output)
         return future.result()
 
-    def _prepare_grammar(self, scheduler_output: SchedulerOutput) -> None:
-        """Either the step will get its bitmask after its launch (`sample_tokens`), or it
-        carries it (an executor that cannot take it later; its requests never run ahead)."""
-        if self.executor.samples_later:
-            scheduler_output.grammar_follows = True
-            self._grammar_owed = scheduler_output
-        else:
-            scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
+    def _owe_grammar(self, scheduler_output: SchedulerOutput) -> None:
+        """A launched step's grammars see the tokens of the step before it once that one has
+        landed (see `_send_owed_grammar`); with nothing before it, its bitmask can go now."""
+        assert self.batch_queue is not None
+        self._grammar_owed = scheduler_output
+        if len(self.batch_queue) == 1:
+            self._send_grammar(scheduler_output)
 
     def _send_owed_grammar(self) -> None:
         """A step has landed: if the next one ran ahead of it, its grammars now know this step's
@@ -263,16 +261,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
 
     def _send_grammar(self, scheduler_output: SchedulerOutput) -> None:
         self._grammar_owed = None
-        self.executor.sample_tokens(self._grammar_bitmask(scheduler_output))
-
-    def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
-        """Filled on the host from each structured request's matcher, which has seen every
-        token before the one this step samples."""
-        filled = self.structured_output.fill_bitmask(self.scheduler.structured_requests(scheduler_output))
-        if filled is None:
-            return None
-        req_ids, bitmask = filled
-        return GrammarBitmask(req_ids=req_ids, bitmask=bitmask.tobytes(), num_words=bitmask.shape[1])
+        self.executor.sample_tokens(self.structured_output.grammar_bitmask(scheduler_output.structured_req_ids))
 
     # ---- utility calls (collective_rpc, cache control, health) ------------------------------
 

@@ -19,7 +19,8 @@ import time
 from collections import deque
 from typing import Any
 
-from shoal.engine_core.scheduler import PAUSE_MODES, Scheduler
+from shoal.engine_core.admission import PAUSE_MODES
+from shoal.engine_core.scheduler import Scheduler
 from shoal.executors.abstract import Executor
 from shoal.protocol import EngineCoreOutputs
 

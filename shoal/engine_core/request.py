@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from shoal.step import LogprobsLists
     from shoal.structured_output.manager import StructuredRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # kept by the structured-output manager until it compiles
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -49,6 +51,7 @@ class Request:
         eos_token_id: int | None,
         max_tokens: int,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -87,6 +90,11 @@ class Request:
         self.num_preemptions = 0
         # Its grammar and matcher, for a request with structured output (see StructuredOutputManager).
         self.structured_output: StructuredRequest | None = None
+        # Seams for what comes next, carried but not used yet: the LoRA adapter it runs with
+        # (None: the base model), and draft tokens proposed for its next step (speculative
+        # decoding; they would travel in `SchedulerOutput.scheduled_spec_decode_tokens`).
+        self.lora_name = lora_name
+        self.spec_token_ids: list[int] = []
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -110,3 +118,31 @@ class Request:
         unsent = self.all_token_ids[self.num_prompt_tokens + self.num_output_tokens_sent :]
         self.num_output_tokens_sent = self.num_output_tokens
         return unsent
+
+    def take_unsent_prompt_logprobs(self, rows: LogprobsLists, start: int) -> LogprobsLists | None:
+        """The rows of prompt positions the frontend has not had yet. Row i is prompt position
+        `start + i`; after a preemption the prompt is computed again from position 0, and its
+        rows come again."""
+        num_sent, num_rows = self.num_prompt_logprobs_sent, len(rows.ranks)
+        self.num_prompt_logprobs_sent = max(num_sent, start + num_rows)
+        if start + num_rows <= num_sent:
+            return None
+        return rows.slice(num_sent - start, num_rows) if start < num_sent else rows
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Finish the request if its last token ends it; True when it did."""
+        params = self.sampling_params
+        last = self.all_token_ids[-1]
+        num_output_tokens = self.num_output_tokens
+        if num_output_tokens >= params.min_tokens:
+            if last == self.eos_token_id and not params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -11,17 +11,17 @@ async scheduling a decoding request runs one step ahead: it is scheduled again w
 token is still being sampled (a placeholder the workers fill in on the device), so the next
 step is ready when the device finishes this one.
 
-Scheduling can be held (`admission`): by a pause (`pause`, as `EngineCore.pause_generation`
-asks), while the engine sleeps, and while weights discarded by a level-2 sleep have not been
-replaced. A "wait" pause lets the requests already started run to their end and admits no new
-one; the other holds schedule nothing. Requests that arrive meanwhile wait. Every step is stamped
-with the weight version it runs with (`weight_version`), which its outputs carry to the frontend.
+Pauses, sleeps, weight versions and worker restarts are `AdmissionControl`'s (admission.py):
+`schedule` only reads `admission`. Requests with a grammar wait in the structured-output
+manager until it is compiled; the manager names a step's structured rows and fills their
+bitmask. A `KVConnector` (KV transfer), asked after the prefix cache, may load more of a prompt.
+A step is a frozen `SchedulerOutput`: nothing changes it once it is built.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -29,32 +29,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine_core.batch import (
-    CachedRequestData,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from shoal.engine_core.admission import Admission, AdmissionControl
 from shoal.engine_core.block_pool import KVCacheBlock
 from shoal.engine_core.kv_cache_manager import KVCacheManager
 from shoal.engine_core.request import Request, RequestStatus
+from shoal.kv_transfer.connector import tokens_to_load
 from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from shoal.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
+    from shoal.kv_transfer.connector import KVConnector
     from shoal.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class Admission(enum.Enum):
-    """What `Scheduler.schedule` may schedule."""
-
-    OPEN = "open"  # every request
-    DRAIN = "drain"  # only requests already started (a "wait" pause)
-    HOLD = "hold"  # nothing (paused, asleep, or weights discarded)
 
 
 @dataclass
@@ -73,13 +60,15 @@ class ScheduledStep:
     prompt_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-class Scheduler:
+class Scheduler(AdmissionControl):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_kv_blocks: int,
         structured_output: StructuredOutputManager | None = None,
+        samples_later: bool = False,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -97,38 +86,30 @@ class Scheduler:
         # several in flight).
         self._scheduled: dict[int, ScheduledStep] = {}
         self.num_preemptions = 0
-        # The version of the weights that steps scheduled from now on run with: "0" at start,
-        # advanced by every weight update (see `advance_weight_version`).
-        self.weight_version = "0"
-        self._num_weight_updates = 0
-        # Why scheduling is held, if it is (see `_update_admission`).
-        self.pause_mode: str | None = None
-        self.sleeping = False
-        self.weights_missing = False  # discarded by a level-2 sleep (or half updated), not yet replaced
-        self.admission = Admission.OPEN
-        # Structured output: the grammars' manager, the requests whose grammar is still being
-        # compiled (kept out of `waiting`, so they hold up no one), how many requests with a
-        # grammar are unfinished (0: every structured-output path is skipped), and outputs of
-        # requests finished outside a step (a grammar that failed to compile).
+        self._init_admission()
+        # Structured output: the grammars' manager, and whether the executor takes a step's
+        # bitmask after its launch (`samples_later`: the step says it follows) or with the step.
         self.structured_output = structured_output
-        self.waiting_for_grammar: list[Request] = []
-        self.num_structured_requests = 0
+        self.samples_later = samples_later
+        # Outputs of requests finished outside a step (a grammar that failed to compile).
         self._outputs_outside_steps: list[EngineCoreOutput] = []
+        self.kv_connector = kv_connector  # KV transfer: None, nothing arrives from elsewhere
 
     # ---- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        self.requests[request.request_id] = request
-        if request.sampling_params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise ValueError("this engine has no structured output")
+        if request.sampling_params.structured_outputs is None:
+            self.waiting.append(request)
+        elif self.structured_output is None:
+            raise ValueError("this engine has no structured output")
+        else:  # kept by the manager until its grammar is compiled (see `_admit_compiled`)
             self.structured_output.add_request(request)
-            self.num_structured_requests += 1
-            self.waiting_for_grammar.append(request)
-            return
-        self.waiting.append(request)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            if not self.samples_later:  # its step carries a bitmask that must have seen every token
+                request.runs_ahead_from = sys.maxsize
+        self.requests[request.request_id] = request
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -137,35 +118,13 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request in self.waiting_for_grammar:
-                self.waiting_for_grammar.remove(request)
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_GRAMMAR:  # (the manager forgets those)
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ABORTED
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def has_work(self) -> bool:
-        """Whether `schedule` may have something to run: any request while admission is open;
-        under a "wait" pause only requests already started (running, or preempted: those wait
-        at the front of the queue); nothing while held."""
-        if self.admission is Admission.OPEN:
-            return bool(self.requests)
-        return self.admission is Admission.DRAIN and self.has_started_requests()
-
-    def has_started_requests(self) -> bool:
-        """Whether a request that has started generating is unfinished: running, or preempted
-        (preempted requests wait at the front of the queue)."""
-        return bool(self.running) or bool(self.waiting and self.waiting[0].status == RequestStatus.PREEMPTED)
-
-    def has_schedulable_requests(self) -> bool:
-        if self.admission is not Admission.OPEN and not self.has_work():
-            return False
-        if self.async_scheduling:
-            return bool(self.requests)  # requests in flight may run ahead
-        return any(not request.num_steps_in_flight for request in self.requests.values())
 
     @property
     def in_flight(self) -> Counter[str]:
@@ -180,7 +139,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if self.waiting_for_grammar:
+        if self.structured_output is not None and self.structured_output.compiling:
             self._admit_compiled()
         step = ScheduledStep(budget=self.max_num_batched_tokens, weight_version=self.weight_version)
         if self.admission is not Admission.OPEN:
@@ -233,29 +192,35 @@ class Scheduler:
             if started_only and request.status != RequestStatus.PREEMPTED:
                 break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, step.budget)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
-            if blocks is None:
+            # KV transfer: tokens after the hit whose KV can be loaded rather than computed.
+            num_loaded_tokens = tokens_to_load(self.kv_connector, request, num_hit_tokens) if self.kv_connector else 0
+            num_computed_tokens = num_hit_tokens + num_loaded_tokens
+            num_new_tokens = min(request.num_tokens - num_computed_tokens, step.budget)
+            num_slots = num_loaded_tokens + num_new_tokens
+            if self.kv_cache_manager.allocate_slots(request, num_slots, hit_blocks, num_hit_tokens) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed_tokens
                 request.first_scheduled_time = time.time()
             request.num_output_tokens_sent = request.num_output_tokens
-            step.new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    num_computed_tokens=num_hit_tokens,
-                    eos_token_id=request.eos_token_id,
-                )
+            new_req = NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=num_computed_tokens,
+                eos_token_id=request.eos_token_id,
+                lora_name=request.lora_name,
             )
+            if num_loaded_tokens:
+                assert self.kv_connector is not None
+                self.kv_connector.load_into(request, new_req.block_ids, num_hit_tokens, num_loaded_tokens)
+            step.new_reqs.append(new_req)
             self._add_to_step(step, request, num_new_tokens)
 
     @staticmethod
@@ -333,6 +298,11 @@ class Scheduler:
         if step.num_scheduled_tokens:
             finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
             self._scheduled[self._step_id] = step
+        structured = self.structured_output
+        structured_req_ids = structured.sampling_rows(step.requests) if structured and structured.requests else []
+        # Their bitmask follows the step where the executor takes it after the launch (the engine
+        # core asks the manager for it then); else the step carries it, filled now (see add_request).
+        carried = structured is not None and bool(structured_req_ids) and not self.samples_later
         return SchedulerOutput(
             new_reqs=step.new_reqs,
             cached_reqs=step.cached_reqs,
@@ -340,7 +310,9 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             finished_req_ids=finished_req_ids,
             step_id=self._step_id,
-            structured_req_ids=self._structured_samplers(step) if self.num_structured_requests else [],
+            structured_req_ids=structured_req_ids,
+            grammar=structured.grammar_bitmask(structured_req_ids) if carried and structured else None,
+            grammar_follows=self.samples_later and bool(structured_req_ids),
         )
 
     # ---- structured output ------------------------------------------------------------------
@@ -348,56 +320,22 @@ class Scheduler:
     def _admit_compiled(self) -> None:
         """Requests whose grammar is compiled join the waiting queue; one whose grammar failed
         finishes (aborted, with the reason as its stop reason)."""
-        still_compiling = []
-        for request in self.waiting_for_grammar:
-            grammar = request.structured_output
-            assert grammar is not None
-            if not grammar.start():
-                still_compiling.append(request)
-            elif grammar.error is None:
-                self.waiting.append(request)
-            else:
-                logger.error("request %s: its grammar did not compile: %s", request.request_id, grammar.error)
-                request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, grammar.error
-                self._outputs_outside_steps.append(
-                    EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=grammar.error)
-                )
-                self._free_request(request)
-        self.waiting_for_grammar = still_compiling
-
-    @staticmethod
-    def _structured_samplers(step: ScheduledStep) -> list[str]:
-        """The step's requests with a grammar that sample a token in it (their prompt, or the
-        chunk of it, is complete), in batch order."""
-        return [
-            request_id
-            for request_id, request in step.requests.items()
-            if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens
-        ]
-
-    def structured_requests(self, scheduler_output: SchedulerOutput) -> list[Request]:
-        """The requests of `scheduler_output.structured_req_ids` that are still running."""
-        step = self._scheduled.get(scheduler_output.step_id)
-        if step is None:
-            return []
-        requests = (step.requests[r] for r in scheduler_output.structured_req_ids)
-        return [r for r in requests if self.requests.get(r.request_id) is r and not r.is_finished]
+        assert self.structured_output is not None
+        ready, failed = self.structured_output.take_compiled()
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        for request in failed:
+            assert request.structured_output is not None
+            request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, request.structured_output.error
+            self._outputs_outside_steps.append(
+                EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=request.stop_reason)
+            )
+            self._free_request(request)
 
     def take_outputs_outside_steps(self) -> list[EngineCoreOutput]:
         outputs, self._outputs_outside_steps = self._outputs_outside_steps, []
         return outputs
-
-    def _advance_matchers(self, outputs: list[EngineCoreOutput], scheduled: dict[str, Request]) -> None:
-        """Feed the tokens this step accepted to the unfinished requests' grammars."""
-        for output in outputs:
-            request = scheduled.get(output.request_id)
-            grammar = request.structured_output if request is not None else None
-            if grammar is None or output.finished or grammar.matcher is None:
-                continue
-            if not grammar.accept(output.new_token_ids):
-                logger.error(
-                    "request %s: its grammar refused a sampled token %s", output.request_id, output.new_token_ids
-                )
 
     # ---- results of a step ------------------------------------------------------------------
 
@@ -405,11 +343,26 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         """Append the sampled tokens, finish requests that stopped, and report to the frontend."""
-        outputs = []
         step = self._scheduled.pop(scheduler_output.step_id, None) or ScheduledStep(0, self.weight_version)
         scheduled = self._land(step)
         prompt_chunks = {r: chunk for r, chunk in step.prompt_chunks.items() if r in scheduled}
+        outputs, num_generation_tokens = self._append_sampled(model_output, scheduled, prompt_chunks)
+        if self.structured_output is not None and self.structured_output.requests:
+            self.structured_output.accept_outputs(outputs)
+        if self._outputs_outside_steps:
+            outputs.extend(self.take_outputs_outside_steps())
         num_prompt_tokens = sum(num_tokens for _, num_tokens in prompt_chunks.values())
+        stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=stats, timestamp=time.time(), weight_version=step.weight_version
+        )
+
+    def _append_sampled(
+        self, model_output: ModelRunnerOutput, scheduled: dict[str, Request], prompt_chunks: dict[str, tuple[int, int]]
+    ) -> tuple[list[EngineCoreOutput], int]:
+        """Each request's sampled tokens, up to the one that stops it (finished requests are
+        freed); the outputs for the frontend, and how many tokens were accepted."""
+        outputs = []
         num_generation_tokens = 0
         # Usually empty: only requests that asked for them have (prompt) logprobs.
         all_prompt_logprobs, all_logprobs = model_output.prompt_logprobs, model_output.logprobs
@@ -424,13 +377,13 @@ class Scheduler:
             for token_id in token_ids:
                 request.append_output_token_id(token_id)
                 new_token_ids.append(token_id)
-                finished = self._check_stop(request)
+                finished = request.check_stop(self.max_model_len)
                 if finished:
                     break
             num_generation_tokens += len(new_token_ids)
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             if prompt_logprobs is not None:
-                prompt_logprobs = self._unsent_prompt_logprobs(request, prompt_logprobs, prompt_chunks[request_id][0])
+                prompt_logprobs = request.take_unsent_prompt_logprobs(prompt_logprobs, prompt_chunks[request_id][0])
             if not new_token_ids and prompt_logprobs is None:
                 continue
             logprobs = all_logprobs.get(request_id) if all_logprobs else None
@@ -449,14 +402,7 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._free_request(request)
-        if self.num_structured_requests:
-            self._advance_matchers(outputs, scheduled)
-        if self._outputs_outside_steps:
-            outputs.extend(self.take_outputs_outside_steps())
-        stats = self.make_stats(num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generation_tokens)
-        return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=stats, timestamp=time.time(), weight_version=step.weight_version
-        )
+        return outputs, num_generation_tokens
 
     def _land(self, step: ScheduledStep) -> dict[str, Request]:
         """The step is back: its requests are no longer in flight. Returns those still as they
@@ -468,37 +414,10 @@ class Scheduler:
                 scheduled[request_id] = request
         return scheduled
 
-    def _unsent_prompt_logprobs(self, request: Request, rows: LogprobsLists, start: int) -> LogprobsLists | None:
-        """The rows of prompt positions the frontend has not had yet. Row i is prompt position
-        `start + i`; after a preemption the prompt is computed again from position 0, and its
-        rows come again."""
-        num_sent, num_rows = request.num_prompt_logprobs_sent, len(rows.ranks)
-        request.num_prompt_logprobs_sent = max(num_sent, start + num_rows)
-        if start + num_rows <= num_sent:
-            return None
-        return rows.slice(num_sent - start, num_rows) if start < num_sent else rows
-
-    def _check_stop(self, request: Request) -> bool:
-        """Finish the request if its last token ends it; True when it did."""
-        params = request.sampling_params
-        last = request.all_token_ids[-1]
-        num_output_tokens = request.num_output_tokens
-        if num_output_tokens >= params.min_tokens:
-            if last == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
-
     def _free_request(self, request: Request) -> None:
         if request.structured_output is not None:
-            self.num_structured_requests -= 1
+            assert self.structured_output is not None
+            self.structured_output.remove_request(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
@@ -522,117 +441,3 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         self.kv_cache_manager.reset_prefix_cache()
         return True
-
-    # ---- recovery from a worker's death -----------------------------------------------------
-
-    def requeue_for_recompute(self) -> int:
-        """The workers lost their state (one was re-created; every rank starts over with an
-        empty batch and a KV cache of unknown content): forget the steps in flight, whose output
-        will never come, and preempt every running request by recompute. Output tokens already
-        sampled stay; a requeued request computes its prompt and them again, then samples the
-        next. Returns how many requests were requeued."""
-        for step in self._scheduled.values():
-            for request in step.requests.values():
-                request.num_steps_in_flight -= 1
-        self._scheduled.clear()
-        num_requeued = len(self.running)
-        self.preempt_all_running()  # (which drops their placeholders too)
-        # No worker knows any request now; there is nothing to tell them about finished ones.
-        self._finished_req_ids.clear()
-        self.reset_prefix_cache()
-        return num_requeued
-
-    @property
-    def weights_updated_in_place(self) -> bool:
-        """Whether weights were updated since they were loaded (a re-created worker, which
-        loads the checkpoint, would not run them)."""
-        return self._num_weight_updates > 0
-
-    def advance_weight_version(self, name: str | None = None) -> str:
-        """New weights are in: later steps run with version `name`, or by default with the
-        number of updates so far ("1", "2", ...). Returns the new version. Weights discarded by a
-        level-2 sleep count as replaced from now on."""
-        self._num_weight_updates += 1
-        self.weight_version = str(self._num_weight_updates) if name is None else name
-        if self.weights_missing:
-            self.weights_missing = False
-            self._update_admission()
-        return self.weight_version
-
-    def hold_for_weight_update(self) -> None:
-        """An update in several calls has begun: hold scheduling until its last call (which
-        advances the weight version), so that no step runs with half-written weights."""
-        self.weights_missing = True
-        self._update_admission()
-
-    # ---- pause and sleep ----------------------------------------------------------------------
-    # The engine core lands every step still in flight before it calls these (except a "wait"
-    # pause, whose requests go on running), so no request is in flight here.
-
-    def pause(self, mode: str, clear_cache: bool = True) -> list[EngineCoreOutput]:
-        """Hold scheduling until `resume`. "abort" finishes every request (running and waiting)
-        as aborted and returns their final outputs; "wait" lets the requests already started
-        run to their end; "keep" freezes them. With `clear_cache` the prefix cache is reset, and
-        kept requests give up their KV cache (recomputed after `resume`, with the weights in
-        place then)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        outputs = self._abort_all() if mode == "abort" else []
-        if mode == "keep" and clear_cache:
-            self.preempt_all_running()
-        if clear_cache:
-            self.reset_prefix_cache()
-        self.pause_mode = mode
-        self._update_admission()
-        return outputs
-
-    def resume(self) -> None:
-        self.pause_mode = None
-        self._update_admission()
-
-    def sleep(self, discard_weights: bool) -> None:
-        """The workers are about to drop the KV cache (and with `discard_weights` the weights):
-        running requests give up their blocks and wait to be recomputed after the wake-up, and
-        the prefix cache forgets every block. Scheduling is held until `wake_up` (and, with
-        `discard_weights`, until `advance_weight_version`)."""
-        self.preempt_all_running()
-        self.reset_prefix_cache()
-        self.sleeping = True
-        self.weights_missing = self.weights_missing or discard_weights
-        self._update_admission()
-
-    def wake_up(self) -> None:
-        self.sleeping = False
-        self._update_admission()
-
-    def preempt_all_running(self) -> None:
-        """Every running request gives up its KV blocks and waits, in its order, at the front
-        of the queue, to be recomputed with its tokens so far."""
-        if any(request.num_steps_in_flight for request in self.running):
-            raise RuntimeError("requests still in flight cannot give up their blocks: land their steps first")
-        for request in reversed(self.running):
-            self._preempt(request)
-        self.running = []
-
-    def _abort_all(self) -> list[EngineCoreOutput]:
-        """Abort every request; their final outputs (no new tokens, finish_reason "abort")."""
-        outputs = [
-            EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason="abort",
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                first_scheduled_time=request.first_scheduled_time,
-            )
-            for request in self.requests.values()
-        ]
-        self.abort_requests(list(self.requests))
-        return outputs
-
-    def _update_admission(self) -> None:
-        if self.sleeping or self.weights_missing or self.pause_mode in ("abort", "keep"):
-            self.admission = Admission.HOLD
-        elif self.pause_mode == "wait":
-            self.admission = Admission.DRAIN
-        else:
-            self.admission = Admission.OPEN

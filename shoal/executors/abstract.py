@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Literal, Protocol, overload
 
 from shoal.config import EngineConfig
-from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.errors import EngineDeadError, WorkerDiedError
+from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 __all__ = ["EngineDeadError", "Executor", "StepFuture", "WorkerDiedError"]

@@ -38,10 +38,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.distributed.parallel_state import pp_group_ranks, tp_group_ranks
-from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors import ray_checks, ray_utils
 from shoal.executors.abstract import Executor
+from shoal.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from shoal import envs
 from shoal.config import EngineConfig, ParallelConfig
 from shoal.distributed.communicator import NcclUniqueId, nccl_unique_id
-from shoal.engine_core.batch import ModelRunnerOutput, SchedulerOutput
 from shoal.executors import ray_checks
+from shoal.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.executors.abstract import Executor, StepFuture
+from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
 class UniProcExecutor(Executor):

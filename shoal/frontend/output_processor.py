@@ -12,11 +12,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.engine_core.batch import LogprobsLists
 from shoal.frontend.detokenizer import IncrementalDetokenizer
 from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, WeightVersionSpan
 from shoal.protocol import EngineCoreOutput
 from shoal.sampling_params import SamplingParams
+from shoal.step import LogprobsLists
 
 
 class OutputKind(enum.Enum):

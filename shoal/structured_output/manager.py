@@ -1,9 +1,15 @@
-"""`StructuredOutputManager`: the engine core's side of structured output.
+"""`StructuredOutputManager`: the engine core's side of structured output, behind one seam.
 
 It compiles each request's grammar on a thread of its own (a slow schema never stalls the
-engine loop; the scheduler keeps the request aside until its grammar is ready), caches what it
-compiled by spec, keeps one `Matcher` per request, advances it by the tokens the engine accepts,
-and fills the token bitmask of a step's structured rows on the host.
+engine loop: the request is kept here, out of the scheduler's queue, until its grammar is
+ready), caches what it compiled by spec, keeps one `Matcher` per request, advances it by the
+tokens the engine accepts, and fills the token bitmask of a step's structured rows on the host.
+
+The scheduler hands it its requests with a grammar (`add_request`, `take_compiled`,
+`remove_request`), asks it which rows of a step it builds are structured (`sampling_rows`) and
+tells it the tokens each step accepted (`accept_outputs`). The bitmask of a step
+(`grammar_bitmask`) is asked for by the scheduler, as it builds a step that carries it, or by
+the engine core, once a step whose bitmask follows its launch may have it.
 
 A matcher only ever holds accepted tokens — the request's output so far (after its reasoning,
 for a reasoning model). Nothing speculative enters it: with async scheduling the bitmask of a
@@ -22,11 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shoal.step import GrammarBitmask
 from shoal.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from shoal.config import ModelConfig
     from shoal.engine_core.request import Request
+    from shoal.protocol import EngineCoreOutput
     from shoal.structured_output.grammar import GrammarCompiler, Matcher
 
 logger = logging.getLogger(__name__)
@@ -98,17 +106,72 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        # The unfinished requests with a grammar, by id (empty: the scheduler skips every
+        # structured-output path), and those whose grammar is still being compiled.
+        self.requests: dict[str, Request] = {}
+        self.compiling: list[Request] = []
 
-    # ---- compiling, off the engine loop --------------------------------------------------------
+    # ---- the scheduler's requests with a grammar -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Start compiling the request's grammar (or reuse a cached one)."""
+        """Start compiling the request's grammar (or reuse a cached one); the request stays here
+        until `take_compiled` hands it back."""
         params = request.sampling_params.structured_outputs
         assert params is not None
         stop_token_ids = list(request.sampling_params.stop_token_ids)
         if request.eos_token_id is not None:
             stop_token_ids.append(request.eos_token_id)
         request.structured_output = StructuredRequest(params, self._compiled(params), stop_token_ids)
+        self.requests[request.request_id] = request
+        self.compiling.append(request)
+
+    def take_compiled(self) -> tuple[list[Request], list[Request]]:
+        """The requests whose grammar is now compiled, with a matcher (they may be scheduled),
+        and those whose grammar failed (`structured_output.error` says why); both leave
+        `compiling`."""
+        ready, failed, still_compiling = [], [], []
+        for request in self.compiling:
+            grammar = request.structured_output
+            assert grammar is not None
+            if not grammar.start():
+                still_compiling.append(request)
+            elif grammar.error is None:
+                ready.append(request)
+            else:
+                logger.error("request %s: its grammar did not compile: %s", request.request_id, grammar.error)
+                failed.append(request)
+        self.compiling = still_compiling
+        return ready, failed
+
+    def remove_request(self, request: Request) -> None:
+        """The request is finished (or aborted, perhaps while its grammar was compiling)."""
+        del self.requests[request.request_id]
+        if self.compiling and request in self.compiling:
+            self.compiling.remove(request)
+
+    @staticmethod
+    def sampling_rows(requests: dict[str, Request]) -> list[str]:
+        """The ids of a step's `requests` (in batch order) that have a grammar and sample a
+        token in it (their prompt, or the chunk of it, is complete): its structured rows."""
+        return [
+            request_id
+            for request_id, request in requests.items()
+            if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens
+        ]
+
+    def accept_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Feed the tokens a step accepted to the unfinished requests' grammars."""
+        for output in outputs:
+            request = self.requests.get(output.request_id)
+            grammar = request.structured_output if request is not None else None
+            if grammar is None or grammar.matcher is None:
+                continue
+            if not grammar.accept(output.new_token_ids):
+                logger.error(
+                    "request %s: its grammar refused a sampled token %s", output.request_id, output.new_token_ids
+                )
+
+    # ---- compiling, off the engine loop --------------------------------------------------------
 
     def _compiled(self, params: StructuredOutputsParams) -> Future:
         key = params.key
@@ -148,6 +211,21 @@ class StructuredOutputManager:
         wait(futures, timeout=timeout_s, return_when="FIRST_COMPLETED")
 
     # ---- every step, on the host -------------------------------------------------------------
+
+    def grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
+        """The bitmask of a step's structured rows (`SchedulerOutput.structured_req_ids`): one
+        row per request still unfinished whose grammar constrains the token it samples, filled
+        from its matcher, which has seen every token before that one; None when no row is
+        constrained."""
+        filled = self.fill_bitmask(self.requests_of(req_ids))
+        if filled is None:
+            return None
+        req_ids, bitmask = filled
+        return GrammarBitmask(req_ids=req_ids, bitmask=bitmask.tobytes(), num_words=bitmask.shape[1])
+
+    def requests_of(self, req_ids: list[str]) -> list[Request]:
+        """The unfinished requests among `req_ids`, in that order."""
+        return [self.requests[r] for r in req_ids if r in self.requests]
 
     def fill_bitmask(self, requests: list[Request]) -> tuple[list[str], np.ndarray] | None:
         """The bitmask rows of the requests whose next token their grammar constrains (in the

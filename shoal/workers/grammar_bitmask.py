@@ -1,5 +1,7 @@
-"""`GrammarBitmaskLoader`: a step's grammar bitmask (`GrammarBitmask`) onto the device, with
-the sampling rows it belongs to.
+"""The model runner's side of structured output: `StructuredSampling` keeps a step whose
+bitmask follows its launch until `sample_tokens` brings it, and applies a step's bitmask to its
+sampling metadata; `GrammarBitmaskLoader` puts the bitmask (`GrammarBitmask`) onto the device,
+with the sampling rows it belongs to.
 
 On a GPU the bitmask goes through one of two pinned host buffers, used in turn, each reused only
 after an event says its last copy has run: a copy from pageable memory would make the host wait
@@ -9,10 +11,45 @@ step being sampled — and the host work of the next step would no longer overla
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 import numpy as np
 import torch
 
-from shoal.engine_core.batch import GrammarBitmask
+from shoal.step import GrammarBitmask
+from shoal.workers.sampler import SamplingMetadata, with_token_bitmask
+from shoal.workers.step_output import DeferredStep
+
+Step = TypeVar("Step")
+
+
+class StructuredSampling(Generic[Step]):
+    """What the runner does with a step's grammar: `defer` the sampling of a step whose bitmask
+    follows (`SchedulerOutput.grammar_follows`), hand it back when the bitmask comes
+    (`take_deferred`), and `apply` a bitmask to a step's sampling metadata."""
+
+    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+        self.loader = GrammarBitmaskLoader(max_num_reqs, device)
+        self._deferred: tuple[Step, DeferredStep] | None = None
+
+    def defer(self, step: Step) -> DeferredStep:
+        """Keep `step` (its logits) until its bitmask comes; the handle that reads it back."""
+        deferred = DeferredStep()
+        self._deferred = (step, deferred)
+        return deferred
+
+    def take_deferred(self) -> tuple[Step, DeferredStep]:
+        if self._deferred is None:
+            raise RuntimeError("no step is waiting for its grammar bitmask")
+        deferred, self._deferred = self._deferred, None
+        return deferred
+
+    def apply(
+        self, metadata: SamplingMetadata, grammar: GrammarBitmask, sampling_req_ids: list[str]
+    ) -> SamplingMetadata:
+        """The metadata with the bitmask's rows, on the device, at the sampling rows of their
+        requests (`sampling_req_ids`, the step's rows in order)."""
+        return with_token_bitmask(metadata, *self.loader.load(grammar, sampling_req_ids))
 
 
 class GrammarBitmaskLoader:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shoal.engine_core.batch import CachedRequestData, NewRequestData, SchedulerOutput
 from shoal.sampling_params import SamplingParams
+from shoal.step import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass

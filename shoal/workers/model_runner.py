@@ -29,19 +29,18 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
-from shoal.engine_core.batch import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
 from shoal.sampling_params import SamplingParams
+from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
-from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
+from shoal.workers.grammar_bitmask import StructuredSampling
 from shoal.workers.input_batch import InputBatch, RequestState
 from shoal.workers.sampler import (
     Sampler,
     SamplingMetadata,
     build_sampling_metadata,
     temperatures_only,
-    with_token_bitmask,
 )
 from shoal.workers.step_buffers import StepBuffers
 from shoal.workers.step_output import DeferredStep, FinishedStep, SampledStep
@@ -105,7 +104,8 @@ class ModelRunner:
             device=device,
         )
         self.sampler = Sampler()
-        self.grammar_bitmasks = GrammarBitmaskLoader(scheduler_config.max_num_seqs, device)
+        # Structured output: a step's grammar bitmask, and a step whose bitmask follows it.
+        self.structured: StructuredSampling[_LogitsOfStep] = StructuredSampling(scheduler_config.max_num_seqs, device)
         # The row counts the LM head runs at (see `_logits`): the decode graphs' batch sizes.
         self.logits_row_counts = capture_sizes(scheduler_config.max_num_seqs)
         self.model: torch.nn.Module | None = None
@@ -115,8 +115,6 @@ class ModelRunner:
         # in them that was sampled for its request (-1: none).
         self.prev_sampled: torch.Tensor | None = None
         self.prev_sampled_rows = np.full(scheduler_config.max_num_seqs, -1, dtype=np.int64)
-        # A step whose logits wait for their grammar bitmask (`sample_tokens`), and its handle.
-        self._awaiting_grammar: tuple[_LogitsOfStep, DeferredStep] | None = None
 
     @property
     def is_sampling_rank(self) -> bool:
@@ -484,19 +482,14 @@ class ModelRunner:
             return None
         step = _LogitsOfStep(inputs, states, logits, prompt_logprobs, scheduler_output.step_id)
         if scheduler_output.grammar_follows:
-            deferred = DeferredStep()
-            self._awaiting_grammar = (step, deferred)
-            return deferred
+            return self.structured.defer(step)
         return self._sample_logits(step, scheduler_output.grammar)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
         """Sample the step whose logits wait for their grammar bitmask; its `DeferredStep`
         then reads the tokens back like any step."""
-        if self._awaiting_grammar is None:
-            raise RuntimeError("no step is waiting for its grammar bitmask")
-        step, deferred = self._awaiting_grammar
-        self._awaiting_grammar = None
+        step, deferred = self.structured.take_deferred()
         deferred.step = self._sample_logits(step, grammar)
 
     def _sample_logits(self, step: _LogitsOfStep, grammar: GrammarBitmask | None) -> SampledStep:
@@ -505,7 +498,7 @@ class ModelRunner:
         if logits is not None:
             metadata = self.sampling_metadata(inputs, states, logits.shape[-1])
             if grammar is not None:
-                metadata = with_token_bitmask(metadata, *self.grammar_bitmasks.load(grammar, inputs.sampling_req_ids))
+                metadata = self.structured.apply(metadata, grammar, inputs.sampling_req_ids)
             result = self.sampler(logits, metadata)
         self.keep_samples(inputs.sampling_slots, result.sampled_token_ids if result is not None else None)
         return SampledStep(inputs.req_ids, states, result, step.prompt_logprobs, step.step_id)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.engine_core.batch import LogprobsLists
 from shoal.kernels.gumbel_sample import fused_sampling_kernel
+from shoal.step import LogprobsLists
 from shoal.workers.input_batch import RequestState
 
 

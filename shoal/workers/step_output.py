@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.engine_core.batch import LogprobsLists, ModelRunnerOutput
+from shoal.step import LogprobsLists, ModelRunnerOutput
 from shoal.workers.input_batch import RequestState
 from shoal.workers.sampler import SamplerOutput, logprobs_lists
 

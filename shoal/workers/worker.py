@@ -22,7 +22,7 @@ from shoal import envs, rl_verbs
 from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
-from shoal.engine_core.batch import GrammarBitmask, SchedulerOutput
+from shoal.step import GrammarBitmask, SchedulerOutput
 from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler

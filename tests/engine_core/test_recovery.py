@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from shoal.config import EngineArgs
-from shoal.engine_core.batch import ModelRunnerOutput
 from shoal.engine_core.engine_core import EngineCore
 from shoal.engine_core.request import RequestStatus
 from shoal.engine_core.worker_restarts import RestartBudget
@@ -17,6 +16,7 @@ from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 from shoal.sampling_params import SamplingParams
+from shoal.step import ModelRunnerOutput
 from tests.engine_core.test_scheduler import add, assert_all_free, make_request, make_scheduler, run_to_end, step
 
 

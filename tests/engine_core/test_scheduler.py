@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine_core.batch import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from shoal.engine_core.request import Request, RequestStatus
 from shoal.engine_core.scheduler import Scheduler
 from shoal.protocol import EngineCoreOutputs
 from shoal.sampling_params import SamplingParams
+from shoal.step import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 

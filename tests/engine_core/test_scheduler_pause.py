@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.engine_core.batch import ModelRunnerOutput
+from shoal.engine_core.admission import Admission
 from shoal.engine_core.request import RequestStatus
-from shoal.engine_core.scheduler import Admission
+from shoal.step import ModelRunnerOutput
 from tests.engine_core.test_scheduler import (
     add,
     assert_all_free,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.engine_core.batch import GrammarBitmask
+from shoal.step import GrammarBitmask
 from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
 from tests.structured_output.random_schemas import random_schema
 

@@ -118,6 +118,26 @@ def test_async_scheduling_gives_the_synchronous_tokens(llm: LLM, model_path: str
             assert [sorted(row) for row in g.outputs[0].logprobs] == [sorted(row) for row in e.outputs[0].logprobs]
 
 
+def test_a_bitmask_carried_by_the_step_gives_the_synchronous_tokens(
+    llm: LLM, model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executor that takes a step's bitmask only with the step (as over Ray), under async
+    scheduling: the scheduler fills it as it builds the step and keeps structured requests from
+    running ahead (their grammars must have seen every token), so the tokens are the
+    synchronous ones."""
+    from shoal.executors.uniproc import UniProcExecutor
+
+    rng = random.Random(11)
+    params = [schema_params(i, random_schema(rng)) for i in range(4)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=24))
+    prompts = [f"Item {i}" for i in range(len(params))]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(UniProcExecutor, "samples_later", False)
+    with LLM(model_path, multiprocess=False, max_model_len=MAX_MODEL_LEN, async_scheduling=True) as carried:
+        got = carried.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_preempted_structured_requests_resume_where_they_were(
     llm: LLM, model_path: str, ascii_only: dict[int, float]
 ) -> None:

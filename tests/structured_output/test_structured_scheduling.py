@@ -34,9 +34,15 @@ def tokenizer(model_config: ModelConfig):
     return AutoTokenizer.from_pretrained(model_config.tokenizer)
 
 
-def make_scheduler(model_config: ModelConfig, max_num_batched_tokens: int = 64) -> Scheduler:
+def make_scheduler(
+    model_config: ModelConfig,
+    max_num_batched_tokens: int = 64,
+    async_scheduling: bool = False,
+    samples_later: bool = False,
+) -> Scheduler:
     manager = StructuredOutputManager(model_config)
-    return Scheduler(SchedulerConfig(16, max_num_batched_tokens, 512), CacheConfig(block_size=4), NUM_BLOCKS, manager)
+    config = SchedulerConfig(16, max_num_batched_tokens, 512, async_scheduling)
+    return Scheduler(config, CacheConfig(block_size=4), NUM_BLOCKS, manager, samples_later=samples_later)
 
 
 def request(request_id: str, structured: StructuredOutputsParams | None, eos: int, prompt_len: int = 5) -> Request:
@@ -45,8 +51,9 @@ def request(request_id: str, structured: StructuredOutputsParams | None, eos: in
 
 
 def bitmask_rows(scheduler: Scheduler, sched_out) -> tuple[list[str], np.ndarray] | None:
-    assert scheduler.structured_output is not None
-    return scheduler.structured_output.fill_bitmask(scheduler.structured_requests(sched_out))
+    manager = scheduler.structured_output
+    assert manager is not None
+    return manager.fill_bitmask(manager.requests_of(sched_out.structured_req_ids))
 
 
 def allowed(bitmask: np.ndarray, row: int, vocab_size: int) -> set[int]:
@@ -71,7 +78,7 @@ def test_a_grammar_being_compiled_holds_up_no_one(model_config: ModelConfig, tok
         sched_out, _ = step(scheduler)
         assert list(sched_out.num_scheduled_tokens) == ["free"]
     release.set()
-    manager.wait_for_any(scheduler.waiting_for_grammar, 30)
+    manager.wait_for_any(manager.compiling, 30)
     sched_out, _ = step(scheduler)
     assert "slow" in sched_out.num_scheduled_tokens and sched_out.structured_req_ids == ["slow"]
     manager.shutdown()
@@ -81,19 +88,19 @@ def test_a_grammar_that_fails_to_compile_finishes_its_request(model_config: Mode
     scheduler = make_scheduler(model_config)
     scheduler.add_request(request("bad", StructuredOutputsParams(regex="(unclosed"), tokenizer.eos_token_id))
     assert scheduler.structured_output is not None
-    scheduler.structured_output.wait_for_any(scheduler.waiting_for_grammar, 30)
+    scheduler.structured_output.wait_for_any(scheduler.structured_output.compiling, 30)
     sched_out = scheduler.schedule()
     assert not sched_out.num_scheduled_tokens
     [output] = scheduler.take_outputs_outside_steps()
     assert output.request_id == "bad" and output.finish_reason == "abort" and "invalid regex" in str(output.stop_reason)
     assert_all_free(scheduler, NUM_BLOCKS)
-    assert scheduler.num_structured_requests == 0
+    assert scheduler.structured_output.requests == {}
 
 
 def _admit(scheduler: Scheduler) -> None:
     assert scheduler.structured_output is not None
-    while scheduler.waiting_for_grammar:
-        scheduler.structured_output.wait_for_any(scheduler.waiting_for_grammar, 30)
+    while scheduler.structured_output.compiling:
+        scheduler.structured_output.wait_for_any(scheduler.structured_output.compiling, 30)
         scheduler._admit_compiled()
 
 
@@ -146,4 +153,43 @@ def test_the_grammar_starts_after_the_reasoning(model_config: ModelConfig, token
     decoded = {tokenizer.decode([t]) for t in allowed(filled[1], 0, len(tokenizer))}
     assert decoded and all("yes".startswith(d) or "no".startswith(d) for d in decoded)
     scheduler.abort_requests(["r"])
-    assert scheduler.requests == {} and scheduler.num_structured_requests == 0
+    assert scheduler.requests == {} and scheduler.structured_output.requests == {}
+
+
+@pytest.mark.parametrize("samples_later", [False, True])
+def test_the_scheduler_decides_whether_the_bitmask_travels_with_the_step(
+    model_config: ModelConfig, tokenizer, samples_later: bool
+) -> None:
+    """An executor that cannot take the bitmask after the launch gets it in the step, filled as
+    the step is built; one that can gets a step that says it follows, and the manager fills it
+    when asked (the same rows)."""
+    scheduler = make_scheduler(model_config, samples_later=samples_later)
+    scheduler.add_request(request("choice", StructuredOutputsParams(choice=["yes", "no"]), tokenizer.eos_token_id))
+    scheduler.add_request(request("free", None, tokenizer.eos_token_id))
+    _admit(scheduler)
+    sched_out = scheduler.schedule()
+    assert sched_out.structured_req_ids == ["choice"] and sched_out.grammar_follows == samples_later
+    manager = scheduler.structured_output
+    assert manager is not None
+    filled = manager.grammar_bitmask(sched_out.structured_req_ids)
+    assert filled is not None and filled.req_ids == ["choice"]
+    assert sched_out.grammar == (None if samples_later else filled)
+
+
+@pytest.mark.parametrize("samples_later", [False, True])
+def test_a_request_whose_bitmask_travels_with_the_step_never_runs_ahead(
+    model_config: ModelConfig, tokenizer, samples_later: bool
+) -> None:
+    """Async scheduling: a step that carries its bitmask is filled as it is built, so its
+    structured requests must not be scheduled again before their last token is known; where
+    the bitmask follows, they run ahead like the others."""
+    eos = tokenizer.eos_token_id
+    scheduler = make_scheduler(model_config, async_scheduling=True, samples_later=samples_later)
+    scheduler.add_request(request("regex", StructuredOutputsParams(regex="[a-z]+"), eos))
+    scheduler.add_request(request("free", None, eos))
+    _admit(scheduler)
+    first = scheduler.schedule()  # the prompts
+    assert set(first.num_scheduled_tokens) == {"regex", "free"}
+    ahead = scheduler.schedule()  # the first step still runs
+    expected = {"regex", "free"} if samples_later else {"free"}
+    assert set(ahead.num_scheduled_tokens) == expected

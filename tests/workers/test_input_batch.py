@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.engine_core.batch import CachedRequestData, NewRequestData, SchedulerOutput
 from shoal.sampling_params import SamplingParams
+from shoal.step import CachedRequestData, NewRequestData, SchedulerOutput
 from shoal.workers.input_batch import InputBatch
 
 MAX_REQS, MAX_LEN, MAX_BLOCKS = 8, 64, 16

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from shoal.config import EngineArgs
-from shoal.engine_core.batch import NewRequestData, SchedulerOutput
 from shoal.kernels import fresh_prefill_attention
 from shoal.kernels.fresh_prefill_attention import PromptGroup
 from shoal.sampling_params import SamplingParams
+from shoal.step import NewRequestData, SchedulerOutput
 from shoal.workers import sampler as sampler_module
 from shoal.workers.model_runner import ModelRunner
 

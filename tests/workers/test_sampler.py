@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.engine_core.batch import GrammarBitmask
 from shoal.sampling_params import SamplingParams
+from shoal.step import GrammarBitmask
 from shoal.workers import sampler as sampler_module
 from shoal.workers.grammar_bitmask import GrammarBitmaskLoader
 from shoal.workers.input_batch import RequestState

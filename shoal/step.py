@@ -3,7 +3,12 @@
 
 Workers keep a persistent copy of every running request, so the scheduler sends diffs: a
 request's full state once (`NewRequestData`), then only what changed (`CachedRequestData`).
-These are msgspec structs so the executor can serialize a step once for all workers.
+These are msgspec structs so the executor can serialize a step once for all workers, and frozen:
+a step is what the scheduler built, and nothing changes it on its way (what a step's structured
+rows need, the scheduler decides as it builds the step: see `SchedulerOutput.grammar_follows`).
+
+This module sits beside `protocol.py` (what crosses the frontend ↔ engine-core boundary): the
+workers and executors import it, never the engine core.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import msgspec
 from shoal.sampling_params import SamplingParams
 
 
-class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """A request the workers have not seen (or must rebuild after a preemption)."""
 
     req_id: str
@@ -24,9 +29,11 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int
     # The sampler keeps eos (and stop tokens) from being sampled before min_tokens.
     eos_token_id: int | None = None
+    # The LoRA adapter the request runs with (None: the base model). Carried, not used yet.
+    lora_name: str | None = None
 
 
-class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """What changed for a request the workers already hold."""
 
     req_id: str
@@ -36,7 +43,7 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int
 
 
-class GrammarBitmask(msgspec.Struct, array_like=True):
+class GrammarBitmask(msgspec.Struct, array_like=True, frozen=True):
     """The allowed next tokens of a step's structured rows: row i (int32 words, bit t % 32 of
     word t // 32 for token t) belongs to request `req_ids[i]`; other rows sample freely."""
 
@@ -45,7 +52,7 @@ class GrammarBitmask(msgspec.Struct, array_like=True):
     num_words: int
 
 
-class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """One step: which requests run, and how many of their tokens (`num_scheduled_tokens`,
     in batch order: new requests after cached ones, as `scheduled_req_ids` lists them)."""
 
@@ -59,17 +66,22 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     step_id: int = 0
     # Requests whose grammar constrains the token they sample this step (structured output).
     structured_req_ids: list[str] = msgspec.field(default_factory=list)
-    # Their bitmask, when the engine knew it as it launched the step; with `grammar_follows` it
-    # comes later, through `sample_tokens` (async scheduling: the step before is still running).
+    # Their bitmask, when the step carries it (filled as the scheduler built the step); with
+    # `grammar_follows` it comes after the launch, through `sample_tokens` (async scheduling: the
+    # step before is still running). The scheduler decides which, by the executor's
+    # `samples_later`.
     grammar: GrammarBitmask | None = None
     grammar_follows: bool = False
+    # Speculative decoding (not used yet): per request, the draft tokens this step verifies
+    # after its last known token; the request's `num_scheduled_tokens` count them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def scheduled_req_ids(self) -> list[str]:
         return list(self.num_scheduled_tokens)
 
 
-class LogprobsLists(msgspec.Struct, array_like=True):
+class LogprobsLists(msgspec.Struct, array_like=True, frozen=True):
     """Logprobs of several positions, one row per position.
 
     Row i: `token_ids[i][0]` is the token actually at (or sampled for) that position and
@@ -85,7 +97,7 @@ class LogprobsLists(msgspec.Struct, array_like=True):
         return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end])
 
 
-class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """The sampled tokens of one step, aligned with `req_ids` (an empty list for a request
     whose prompt is not finished yet)."""
 

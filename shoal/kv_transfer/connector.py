@@ -1,0 +1,41 @@
+"""`KVConnector`: the scheduler's view of KV that may arrive from elsewhere (KV transfer).
+
+A request's KV may come from outside this engine's KV cache: from a prefill engine that has
+computed the prompt (prefill/decode disaggregation), or from a host-memory tier that kept
+blocks this engine evicted. The scheduler asks the connector right after its own prefix cache
+how many more of the request's tokens can be loaded rather than computed (`tokens_to_load`).
+It allocates their slots with the rest, counts them as computed, and tells the connector which
+blocks they go to (`load_into`), so that their KV is in place before the step that reads it.
+
+This is the seam only: no connector exists yet, and `Scheduler(kv_connector=None)` (the
+default) asks nothing. The transports, the workers' side that moves the blocks, and requests
+that wait while their KV is on its way come with the first connector. Plain Python: the engine
+core imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from shoal.engine_core.request import Request
+
+
+class KVConnector(Protocol):
+    def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """How many of the request's tokens after its first `num_computed_tokens` (those the
+        prefix cache holds) can be loaded from elsewhere."""
+        ...
+
+    def load_into(self, request: Request, block_ids: list[int], num_computed_tokens: int, num_tokens: int) -> None:
+        """The request's tokens [num_computed_tokens, num_computed_tokens + num_tokens) are to
+        be loaded into its blocks `block_ids` (all of them, in order; token t is in block
+        t // block_size) before its first step runs."""
+        ...
+
+
+def tokens_to_load(connector: KVConnector, request: Request, num_computed_tokens: int) -> int:
+    """What the connector can load for a request starting after `num_computed_tokens`, less
+    the last token: the model always runs on it, for the logits of the next token."""
+    num_loadable = connector.num_loadable_tokens(request, num_computed_tokens)
+    return max(0, min(num_loadable, request.num_tokens - 1 - num_computed_tokens))
