@@ -104,7 +104,7 @@ def sentencepiece_tokenizer(tmp_path_factory) -> Any:
     from transformers import AutoTokenizer
 
     wheels = sorted(Path(sys.prefix, "test-data").glob("mistral_common-*.whl"))
-    assert wheels, "run `make install` (it downloads the mistral-common wheel into .venv/test-data)"
+    assert wheels, "run `make install-test` (it downloads the mistral-common wheel into .venv/test-data)"
     folder = tmp_path_factory.mktemp("spm")
     with zipfile.ZipFile(wheels[-1]) as wheel:
         (folder / "tokenizer.model").write_bytes(wheel.read("mistral_common/data/tokenizer.model.v1"))
