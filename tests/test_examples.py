@@ -1,8 +1,9 @@
-"""`make demo`'s script prints real completions of the demo model."""
+"""`make demo`'s script and the README's offline snippet print real completions of the demo model."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,24 @@ def test_offline_inference_example_prints_completions(demo_model_path: str) -> N
     lines = [line for line in result.stdout.splitlines() if "->" in line]
     assert len(lines) == 5  # four prompts and the chat reply
     assert "Paris" in lines[0] and "Paris" in lines[-1]
+
+
+def readme_offline_snippet() -> tuple[str, list[str]]:
+    """The README's "Offline generation" code and the lines it says that code prints."""
+    section = (ROOT / "README.md").read_text().split("## Offline generation", 1)[1]
+    match = re.search(r"```python\n(.*?)```\n\nprints[^\n]*\n\n((?:    [^\n]*\n)+)", section, re.DOTALL)
+    assert match, "the README's offline snippet and its printed lines"
+    return match.group(1), [line[4:] for line in match.group(2).splitlines()]
+
+
+def test_readme_offline_snippet_prints_what_the_readme_says(demo_model_path: str, tmp_path: Path) -> None:
+    code, expected = readme_offline_snippet()
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == expected
 
 
 def run_example(name: str, model: str) -> list[str]:

@@ -36,7 +36,7 @@ def add_offline_args(parser: Any) -> None:
         default=True,
         help="measure the device's copy bandwidth and GEMM rate and report the workload's bound",
     )
-    parser.add_argument("--output-json", default=None, help="write the report here")
+    parser.add_argument("--output-json", default=None, help="write the report here (default: printed only)")
 
 
 @dataclass

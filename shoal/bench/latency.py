@@ -36,13 +36,13 @@ RunBatch = Callable[[list[BenchRequest], int], object]
 
 
 def add_parser(subparsers: Any) -> None:
-    from shoal.cli import add_engine_args
+    from shoal.cli import HelpFormatter, add_engine_args
 
     parser = subparsers.add_parser(
         "latency",
         help="batch latency: time to first token and decode time per token",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     workload = parser.add_argument_group("workload")
     workload.add_argument("--batch-size", type=int, default=8, help="requests generated together")

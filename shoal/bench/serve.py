@@ -41,31 +41,45 @@ DEFAULT_VOCAB_SIZE = 10001
 
 
 def add_parser(subparsers: Any) -> None:
+    from shoal.cli import HelpFormatter
+
     parser = subparsers.add_parser(
         "serve",
         help="online serving: TTFT, TPOT, ITL and latency against a running server",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     server = parser.add_argument_group("server")
     server.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
     server.add_argument("--model", default=None, help="the model name to send (default: the server's first model)")
     server.add_argument("--tokenizer", default=None, help="the model folder (default: the model name, if a folder)")
-    server.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
+    server.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>' (default: none)")
     server.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
-    server.add_argument("--ready-timeout", type=float, default=0.0, help="seconds to wait for /health first")
+    server.add_argument(
+        "--ready-timeout", type=float, default=0.0, help="seconds to wait for /health first (0: no wait)"
+    )
     add_workload_args(parser.add_argument_group("workload"))
     load = parser.add_argument_group("load")
     load.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
     )
-    load.add_argument("--max-concurrency", type=int, default=None, help="the most requests in flight")
-    load.add_argument("--sweep", choices=SWEEP_KINDS, default=None, help="run once per --sweep-values of this knob")
-    load.add_argument("--sweep-values", type=float, nargs="+", default=None, help="e.g. 1 2 4 inf")
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="the most requests in flight (default: no limit)"
+    )
+    load.add_argument(
+        "--sweep", choices=SWEEP_KINDS, default=None, help="run once per --sweep-values of this knob (default: one run)"
+    )
+    load.add_argument(
+        "--sweep-values",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the values --sweep takes, e.g. 1 2 4 inf (default: none)",
+    )
     load.add_argument("--num-warmup-requests", type=int, default=1, help="untimed requests first")
     load.add_argument("--arrival-seed", type=int, default=0, help="seed of the Poisson arrivals")
     output = parser.add_argument_group("output")
-    output.add_argument("--output-json", default=None, help="write the report here")
+    output.add_argument("--output-json", default=None, help="write the report here (default: printed only)")
     output.add_argument("--plot", default=None, help="the sweep's PNG (default: --output-json with .png)")
     parser.set_defaults(handler=main)
 

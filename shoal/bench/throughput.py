@@ -41,13 +41,13 @@ WARMUP_OUTPUT_LEN = 16
 
 
 def add_parser(subparsers: Any) -> None:
-    from shoal.cli import add_engine_args
+    from shoal.cli import HelpFormatter, add_engine_args
 
     parser = subparsers.add_parser(
         "throughput",
         help="offline throughput: requests/s and tokens/s of a whole workload",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_workload_args(parser.add_argument_group("workload"))
     benchmark = parser.add_argument_group("benchmark")

@@ -6,9 +6,13 @@ shoal imports Ray only in `shoal/executors/` and `cluster/`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
+import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -38,6 +42,29 @@ def connect_to_ray(address: str | None, num_cpus: int | None) -> None:
     shoal running inside a Ray actor)."""
     if ray.is_initialized():
         return
+    with _sigterm_handler_kept():
+        _join_or_start_ray(address, num_cpus)
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Keep this process's SIGTERM handler across `ray.init`, which replaces it: in Python with
+    Ray's own and, beneath it, with a C++ handler that prints a stack dump (`*** SIGTERM received
+    at time=... PC: @ ...`) on every SIGTERM, including the one with which the frontend asks an
+    engine-core process to shut down cleanly. Setting the handler again from Python puts back
+    the process's own and removes the dump."""
+    if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+        yield
+        return
+    own = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if own is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, own)
+
+
+def _join_or_start_ray(address: str | None, num_cpus: int | None) -> None:
     quiet: dict[str, Any] = dict(logging_level=logging.WARNING, log_to_driver=True)
     # RAY_ADDRESS is Ray's own variable: an address given there must be reached, not replaced.
     source = "ray_address" if address else "RAY_ADDRESS"

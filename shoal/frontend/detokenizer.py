@@ -46,8 +46,9 @@ class IncrementalDetokenizer:
 
         `stop_terminated`: the last token is an eos or stop token; its text is left out unless
         `include_stop_str_in_output` (as vLLM does). `finished`: the last update of the request,
-        which also gives the bytes still held back (an output that ends inside a UTF-8
-        character), as U+FFFD the way a whole decode writes them.
+        which also gives the whole characters still held back; the bytes of a character the
+        output ends inside (`max_tokens` cut it) are dropped, as they were held back from the
+        stream, rather than written as U+FFFD the way a whole decode does (vLLM drops them too).
         """
         if not self.params.detokenize:
             return None
@@ -77,8 +78,10 @@ class IncrementalDetokenizer:
 
     def _held_text(self) -> str:
         if self._stream is not None:
-            return self._decode(self._held) if self._held else ""
-        return self._decode(self._token_ids)[len(self._decoded) :]
+            text = self._decode(self._held) if self._held else ""
+        else:
+            text = self._decode(self._token_ids)[len(self._decoded) :]
+        return text.rstrip("\ufffd")  # what a decode writes for a character's first bytes alone
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:  # a model folder without a tokenizer: token ids only

@@ -47,7 +47,9 @@ BAD_INPUTS = [
     # ---- bodies that are not the JSON object a route takes
     BadInput("truncated JSON", "POST", C, b'{"prompt": "hi", "max_tokens": 5', 400, "not valid JSON"),
     BadInput("not JSON at all", "POST", C, b"not json at all", 400, "not valid JSON"),
-    BadInput("a JSON array, not an object", "POST", C, [], 400, "JSON object"),
+    BadInput("a JSON array, not an object", "POST", C, [], 400, "must be a JSON object, not an array"),
+    BadInput("a JSON string, not an object", "POST", C, "hi", 400, "must be a JSON object, not a string"),
+    BadInput("no body", "POST", C, None, 400, "must be a JSON object; this request has none"),
     BadInput("invalid UTF-8 bytes", "POST", C, b'{"prompt": "\xff\xfe", "max_tokens": 2}', 400, "parsing the body"),
     BadInput("100000 nested arrays", "POST", C, b"[" * 100_000 + b"]" * 100_000, 400, "parsing the body"),
     BadInput("a schema nested 100 deep", "POST", C, _completion(guided_json=_nested(100)), 400, "nested more than"),

@@ -37,3 +37,12 @@ def test_bad_input_gets_its_status_and_changes_nothing(server: ServerProcess, ro
 
 def test_the_docs_table_is_in_sync() -> None:
     assert DOCS.read_text() == markdown(), "run: python -m tests.entrypoints.bad_inputs > docs/bad_inputs.md"
+
+
+def test_a_body_not_sent_as_json_is_told_its_content_type(server: ServerProcess) -> None:
+    body = b'{"prompt": "Hi", "max_tokens": 2}'
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=body, headers={"Content-Type": "text/plain"}, timeout=60
+    )
+    assert response.status_code == 400
+    assert "sent with Content-Type: application/json" in response.json()["error"]["message"]

@@ -87,3 +87,25 @@ def test_duplicate_custom_ids_are_refused(tmp_path: Path) -> None:
     requests.write_text(f"{line}\n\n{line}\n")
     with pytest.raises(ValueError, match="custom_id 'same' appears on lines 1 and 3"):
         read_input(requests)
+
+
+def test_a_reply_cut_inside_a_character_has_no_replacement_char(tiny_checkpoints: dict, tmp_path: Path) -> None:
+    """The tiny tokenizer is byte-level: "你" is three byte tokens. A reply forced to the first
+    of them and cut there by max_tokens leaves that byte out, as the stream would."""
+    from transformers import AutoTokenizer
+
+    model = str(tiny_checkpoints["llama"])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    first_byte = tokenizer.convert_tokens_to_ids(
+        "你".encode()[:1].decode("latin-1")
+    )  # byte 0xE4 is "ä" in the alphabet
+    assert tokenizer.decode([first_byte]) == "\ufffd"
+    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "logit_bias": {str(first_byte): 100}}
+    line = {"custom_id": "cut", "method": "POST", "url": "/v1/completions", "body": body}
+    requests, output = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    requests.write_text(json.dumps(line) + "\n")
+    argv = ["batch", "-i", str(requests), "-o", str(output), "--model", model, "--disable-progress-bar"]
+    assert shoal_main(argv) == 0
+    choice = _read(output)["cut"]["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["text"] == ""

@@ -92,3 +92,42 @@ def test_bad_engine_args_fail_before_the_model_loads(capsys: pytest.CaptureFixtu
     assert "not a local directory" in capsys.readouterr().err
     # The engine-core process started before the config was built; it is gone again.
     assert set(multiprocessing.active_children()) <= children
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+HELPED_COMMANDS = [("serve",), ("batch",), ("bench", "throughput"), ("bench", "latency"), ("bench", "serve")]
+
+
+@pytest.mark.parametrize("command", HELPED_COMMANDS, ids=" ".join)
+def test_every_flag_has_help_and_one_clear_default(command: tuple[str, ...]) -> None:
+    parser = make_parser()
+    for name in command:
+        parser = _subparser(parser, name)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help, f"{flag} has no help"
+        shown = formatter._expand_help(action)
+        assert shown.count("(default") <= 1, f"{flag}: {shown}"
+        assert "default: None" not in shown, f"{flag}: {shown}"
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if not switch and not action.required:
+            assert "(default: " in shown, f"{flag} does not say its default: {shown}"
+    assert "--help" in parser.format_help()
+
+
+def test_every_tool_and_reasoning_parser_is_a_choice() -> None:
+    from shoal.cli import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
+    from shoal.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from shoal.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    assert set(TOOL_PARSER_NAMES) == set(TOOL_PARSERS)
+    assert set(REASONING_PARSER_NAMES) == set(REASONING_PARSERS)
+    args = _parse("--tool-call-parser", "deepseek_v3", "--enable-auto-tool-choice")
+    assert args.tool_call_parser == "deepseek_v3"

@@ -104,7 +104,7 @@ def sentencepiece_tokenizer(tmp_path_factory) -> Any:
     from transformers import AutoTokenizer
 
     wheels = sorted(Path(sys.prefix, "test-data").glob("mistral_common-*.whl"))
-    assert wheels, "run `make install` (it downloads the mistral-common wheel into .venv/test-data)"
+    assert wheels, "run `make install-test` (it downloads the mistral-common wheel into .venv/test-data)"
     folder = tmp_path_factory.mktemp("spm")
     with zipfile.ZipFile(wheels[-1]) as wheel:
         (folder / "tokenizer.model").write_bytes(wheel.read("mistral_common/data/tokenizer.model.v1"))
@@ -128,13 +128,21 @@ def test_sentencepiece_continuation_spacing(sentencepiece_tokenizer: Any, text: 
 
 
 @pytest.mark.parametrize("slow", [False, True])
-def test_an_output_ending_inside_a_character_ends_as_a_whole_decode_does(demo_tokenizer: Any, slow: bool) -> None:
-    ids = demo_tokenizer.encode("ok 你")
-    cut = ids[:-1]  # the last character's bytes stop short
-    assert demo_tokenizer.decode(cut).endswith("\ufffd")
+def test_an_output_cut_inside_a_character_drops_its_bytes(demo_tokenizer: Any, slow: bool) -> None:
+    """`max_tokens` can end an output between the tokens of one character: its first bytes
+    were held back from the stream, and the final text leaves them out the same way."""
+    ids = demo_tokenizer.encode("ok 你好, 世界 and ünïcödé")
+    # The lengths that end inside a character (a whole decode writes its bytes as U+FFFD).
+    cuts = [n for n in range(1, len(ids)) if demo_tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert len(cuts) >= 3
     tokenizer = SlowTokenizer(demo_tokenizer) if slow else demo_tokenizer
-    detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
-    detok.update(cut[:-1], stop_terminated=False)
-    assert "\ufffd" not in detok.text_delta(finished=False)
-    detok.update(cut[-1:], stop_terminated=False, finished=True)
-    assert detok.output_text == demo_tokenizer.decode(cut)
+    for n in cuts:
+        whole_chars = demo_tokenizer.decode(ids[:n]).rstrip("\ufffd")
+        detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
+        streamed = ""
+        for token_id in ids[: n - 1]:
+            detok.update([token_id], stop_terminated=False)
+            streamed += detok.text_delta(finished=False)
+        detok.update(ids[n - 1 : n], stop_terminated=False, finished=True)
+        streamed += detok.text_delta(finished=True)
+        assert detok.output_text == streamed == whole_chars, (n, detok.output_text)

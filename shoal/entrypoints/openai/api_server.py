@@ -341,12 +341,38 @@ async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
 
         server = uvicorn.Server(config)
         ready = asyncio.create_task(_announce_when_ready(server, sock, engine))
+        cut_log = CutRequestsLog(args.graceful_shutdown_timeout_s)
+        uvicorn_logger = logging.getLogger("uvicorn.error")
+        uvicorn_logger.addFilter(cut_log)
         try:
             await server.serve(sockets=[sock])
         finally:
             ready.cancel()
+            uvicorn_logger.removeFilter(cut_log)
     finally:
         engine.shutdown()
+
+
+class CutRequestsLog(logging.Filter):
+    """What the log says when a shutdown's grace period ends with requests still running:
+    uvicorn cancels their tasks, logs their count as an error and then a CancelledError
+    traceback per request; this filter (on uvicorn's logger) replaces all of it with one line."""
+
+    def __init__(self, grace_period_s: float) -> None:
+        super().__init__()
+        self.grace_period_s = grace_period_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Cancel %s running task"):  # uvicorn's count of the cut tasks
+            num_requests = record.args[0] if isinstance(record.args, tuple) and record.args else "some"
+            logger.warning(
+                "Shutdown: %s request(s) still running after the %g s grace period were cut",
+                num_requests,
+                self.grace_period_s,
+            )
+            return False
+        # uvicorn cancels a request's task only at shutdown, so the cancellation is that cut.
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def _uvicorn_config(app: FastAPI, args: ServerArgs) -> Any:

@@ -117,14 +117,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if error.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}")
             continue
-        if not loc and error.get("type") in ("model_attributes_type", "dict_type"):
-            parts.append("the body must be a JSON object (send it with Content-Type: application/json)")
+        if not loc and error.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            parts.append(_not_an_object(error.get("input")))
             continue
         field, message = ".".join(loc), str(error.get("msg")).removeprefix("Value error, ")
         if field:
             params.append(field)
         parts.append(f"{field}: {message}" if field else message)
     return "; ".join(parts) or "invalid request", params[0] if params else None
+
+
+def _not_an_object(body: Any) -> str:
+    """What is wrong with a body that is not a JSON object: FastAPI parses a body as JSON only
+    under a JSON Content-Type and hands any other body over as bytes."""
+    if body is None:  # no body, or JSON null
+        return "the body must be a JSON object; this request has none"
+    if isinstance(body, (bytes, bytearray)):
+        return "the body must be a JSON object, sent with Content-Type: application/json"
+    kinds = {list: "an array", str: "a string", bool: "a boolean"}
+    return f"the body must be a JSON object, not {kinds.get(type(body), 'a number')}"
 
 
 def validation_failed(exc: RequestValidationError) -> APIError:
