@@ -167,9 +167,7 @@ class OpenAIServingChat(OpenAIServing):
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (raises `ValueError` for a bad one)."""
-        conversation = [
-            _with_text_content(m.as_template_input() if isinstance(m, ChatMessageParam) else m) for m in messages
-        ]
+        conversation = [m.as_template_input() if isinstance(m, ChatMessageParam) else m for m in messages]
         return await self.in_tokenizer_thread(
             render_chat, self.tokenizer, conversation, add_generation_prompt, chat_template, chat_template_kwargs, tools
         )
@@ -285,16 +283,3 @@ def _finish_reason(finish_reason: str | None, has_tool_calls: bool) -> str | Non
     """OpenAI's "tool_calls" for a choice that ended (not cut off) with tool calls."""
     return "tool_calls" if finish_reason == "stop" and has_tool_calls else finish_reason
 
-
-def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts (`[{"type": "text", "text": ...}, ...]`) joined into one string;
-    shoal's models read text only."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
