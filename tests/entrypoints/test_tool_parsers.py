@@ -196,11 +196,16 @@ def test_required_schema_hoists_each_tools_definitions() -> None:
         return {"type": "object", "properties": {field: {"type": kind}}, "required": [field]}
 
     trip = {"$defs": {"Address": address("city", "string")}, "properties": {"to": {"$ref": "#/$defs/Address"}}}
-    parcel = {"definitions": {"Address": address("zip", "integer")}, "properties": {"to": {"$ref": "#/definitions/Address"}}}
+    parcel = {
+        "definitions": {"Address": address("zip", "integer")},
+        "properties": {"to": {"$ref": "#/definitions/Address"}},
+    }
     tree = {"properties": {"size": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}}}
     same = {"properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}
     tools = [{"name": "trip", "parameters": trip}, {"name": "parcel", "parameters": parcel}]
-    schema = required_calls_schema([*tools, {"name": "tree", "parameters": tree}, {"name": "same", "parameters": same}], True)
+    schema = required_calls_schema(
+        [*tools, {"name": "tree", "parameters": tree}, {"name": "same", "parameters": same}], True
+    )
     assert set(schema["$defs"]) == {"Address", "Address_2", "tree", "same"}
     validate(StructuredOutputsParams(json=schema))  # xgrammar resolves every reference
     good = [
