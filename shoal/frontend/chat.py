@@ -1,4 +1,10 @@
-"""Rendering a conversation with the model's chat template (transformers)."""
+"""Rendering a conversation with the model's chat template (transformers).
+
+Messages reach the template as OpenAI clients send them, made into what templates expect: a
+`content` that is null or absent becomes "" (an assistant's tool-call message has none, and
+templates concatenate `message['content']`), content parts become one string, and a tool
+call's JSON-text `arguments` become an object (templates write them with `tojson`).
+"""
 
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ def render_chat(
             raise ValueError("every chat message needs a 'role'")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the model has no chat template; pass chat_template=...")
-    conversation = [_with_tool_call_arguments_as_objects(m) for m in conversation]
+    conversation = [template_message(m) for m in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -41,20 +47,43 @@ def render_chat(
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _with_tool_call_arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's tool calls with their arguments as JSON objects: OpenAI clients
-    send them as JSON text, and chat templates write them out with `tojson`."""
-    tool_calls = message.get("tool_calls")
-    if not tool_calls:
-        return message
-    converted = []
-    for call in tool_calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(arguments, str):
-            try:
-                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}  # type: ignore[dict-item]
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"a tool call's arguments are not JSON: {exc}") from exc
-        converted.append(call)
-    return {**message, "tool_calls": converted}
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """One message as chat templates read it (see the module docstring); raises `ValueError`
+    for content that is neither text nor text parts."""
+    message = {**message, "content": _text_content(message.get("content"))}
+    if message.get("tool_calls"):
+        message["tool_calls"] = [_with_arguments_as_object(call) for call in message["tool_calls"]]
+    return message
+
+
+def _text_content(content: Any) -> str:
+    """OpenAI content parts (`[{"type": "text", "text": ...}, ...]`) joined into one string;
+    shoal's models read text only."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("a message's content must be a string, a list of text parts, or null")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _with_arguments_as_object(call: Any) -> Any:
+    """A tool call whose `function.arguments` is the JSON text of an object, with that object
+    (as vLLM gives templates); other arguments are left as they came."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}  # type: ignore[dict-item]

@@ -155,6 +155,9 @@ class Matcher:
 
     def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
         self._matcher = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        # Tokens the next position allows beside the grammar's (a reasoning model's think-start
+        # at its first token); whoever sets them clears them once the token is sampled.
+        self.also_allowed: tuple[int, ...] = ()
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it."""
@@ -167,6 +170,12 @@ class Matcher:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self.allow_also(bitmask, row)
+
+    def allow_also(self, bitmask: np.ndarray, row: int) -> None:
+        words = bitmask.view(np.uint32)  # bit 31 does not fit an int32 literal
+        for token_id in self.also_allowed:
+            words[row, token_id // 32] |= np.uint32(1 << (token_id % 32))
 
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
@@ -179,6 +188,8 @@ def fill_rows(matchers: list[Matcher], bitmask: np.ndarray) -> None:
             matcher.fill(bitmask, row)
         return
     _batch_matcher().batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask)
+    for row, matcher in enumerate(matchers):
+        matcher.allow_also(bitmask, row)
 
 
 # Below this many rows a loop costs less than handing the rows to xgrammar's thread pool.

@@ -52,9 +52,11 @@ class StructuredRequest:
         self.stop_token_ids = stop_token_ids
         self.matcher: Matcher | None = None
         self.error: str | None = None
-        # A reasoning model's output is free until it has written these tokens.
-        self.reasoning_end = params.reasoning_end_token_ids
-        self.in_reasoning = bool(self.reasoning_end)
+        # A reasoning model's output is free while it thinks: from the start where the prompt
+        # opened the thinking, or from a first token that opens it; until the end tokens.
+        self.reasoning_end = params.reasoning_end_token_ids or None
+        self.reasoning_start = params.reasoning_start_token_id if self.reasoning_end else None
+        self.in_reasoning = self.reasoning_end is not None and self.reasoning_start is None
         self._recent: list[int] = []  # the last tokens, to find a reasoning end split over steps
 
     @property
@@ -77,6 +79,9 @@ class StructuredRequest:
             self.matcher = Matcher(self.compiled.result(), self.stop_token_ids)
         except ValueError as exc:
             self.error = str(exc)
+            return True
+        if self.reasoning_start is not None:  # the first token: the grammar's, or the think-start
+            self.matcher.also_allowed = (self.reasoning_start,)
         return True
 
     def accept(self, token_ids: list[int]) -> bool:
@@ -84,6 +89,11 @@ class StructuredRequest:
         applied as it should have been: a bug, reported by the caller)."""
         assert self.matcher is not None
         for token_id in token_ids:
+            if self.matcher.also_allowed:  # the first token decides whether the model thinks
+                self.matcher.also_allowed = ()
+                if token_id == self.reasoning_start:
+                    self.in_reasoning = True
+                    continue
             if self.in_reasoning:
                 self._watch_reasoning_end(token_id)
             elif not self.matcher.accept(token_id):

@@ -30,9 +30,14 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
-    # Token ids that end a reasoning model's thinking: the constraint applies after the output
-    # contains them (set by the server's reasoning parser; None: from the first token).
+    # A reasoning model's thinking, which the constraint leaves free (set by the server's
+    # reasoning parser). With `reasoning_end_token_ids`, the constraint applies after the output
+    # contains them; None: from the first token. With `reasoning_start_token_id` too, the model
+    # opens its thinking itself: the first token may be that one (then the thinking runs until
+    # the end tokens) or one the grammar allows (then the constraint applies from it on).
+    # Without it, the prompt opened the thinking: the output starts inside it.
     reasoning_end_token_ids: list[int] | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):

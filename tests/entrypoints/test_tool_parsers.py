@@ -119,6 +119,14 @@ def test_a_call_cut_off_is_content() -> None:
     assert get_tool_parser("hermes").tool_calls(text) == (text, [])
 
 
+def test_a_forced_call_cut_off_is_nothing() -> None:
+    """A forced output is a call or a fragment of one, never an answer in words."""
+    for text in ("[", '[{"name": "get_weather", "parameters": {"city":', '[{"name": "get_wea'):
+        assert RequiredToolCallsParser().tool_calls(text) == (None, [])
+    for text in ("{", '{"zone":', '{"zone": "UT'):
+        assert NamedToolCallParser("get_time").tool_calls(text) == (None, [])
+
+
 def test_forced_parsers() -> None:
     required = RequiredToolCallsParser()
     text = json.dumps([{"name": "get_weather", "parameters": WEATHER}, {"name": "get_time", "parameters": TIME}])
@@ -173,3 +181,45 @@ def test_tool_plans() -> None:
 def test_bad_tool_requests(tools: list | None, choice: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         plan_tools(tools, choice, True, None, False)  # type: ignore[arg-type]
+
+
+def test_required_schema_hoists_each_tools_definitions() -> None:
+    """Each tool's `$defs` move to the root (a `$ref` resolves from there), a name two tools
+    use is kept apart, and references into a tool's own schema ("#", "#/properties/...") still
+    point at it."""
+    import jsonschema
+
+    from shoal.structured_output.grammar import validate
+    from shoal.structured_output.params import StructuredOutputsParams
+
+    def address(field: str, kind: str) -> dict:
+        return {"type": "object", "properties": {field: {"type": kind}}, "required": [field]}
+
+    trip = {"$defs": {"Address": address("city", "string")}, "properties": {"to": {"$ref": "#/$defs/Address"}}}
+    parcel = {
+        "definitions": {"Address": address("zip", "integer")},
+        "properties": {"to": {"$ref": "#/definitions/Address"}},
+    }
+    tree = {"properties": {"size": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}}}
+    same = {"properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}
+    tools = [{"name": "trip", "parameters": trip}, {"name": "parcel", "parameters": parcel}]
+    schema = required_calls_schema(
+        [*tools, {"name": "tree", "parameters": tree}, {"name": "same", "parameters": same}], True
+    )
+    assert set(schema["$defs"]) == {"Address", "Address_2", "tree", "same"}
+    validate(StructuredOutputsParams(json=schema))  # xgrammar resolves every reference
+    good = [
+        {"name": "trip", "parameters": {"to": {"city": "Paris"}}},
+        {"name": "parcel", "parameters": {"to": {"zip": 75001}}},
+        {"name": "tree", "parameters": {"size": 1, "kids": [{"size": 2, "kids": []}]}},
+        {"name": "same", "parameters": {"a": 1, "b": 2}},
+    ]
+    jsonschema.validate(good, schema)
+    for bad in (
+        {"name": "parcel", "parameters": {"to": {"zip": "75001"}}},
+        {"name": "tree", "parameters": {"kids": [{"size": "big"}]}},
+        {"name": "same", "parameters": {"a": 1, "b": "two"}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+    assert trip["properties"] == {"to": {"$ref": "#/$defs/Address"}}  # the request's tools are left as they came

@@ -7,17 +7,19 @@ its text, logprob and UTF-8 bytes, and the `top_logprobs` most likely tokens.
 Tools are rendered by the chat template; what the model writes is read by the tool plan's
 parser (`tool_choice.py`) into `tool_calls` (streamed as `delta.tool_calls`), with
 `finish_reason: "tool_calls"`. A reasoning parser (`--reasoning-parser`) splits the thinking
-into `reasoning_content`; a structured-output constraint then applies to the answer only.
+into `reasoning_content`; a structured-output constraint then applies to the answer only. Where
+the model cannot think (the prompt closed the thinking, or the tokenizer has no single token for
+each marker) the whole output is the answer.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
@@ -54,10 +56,11 @@ from shoal.frontend.chat import render_chat
 from shoal.frontend.output_processor import OutputKind
 from shoal.outputs import CompletionOutput, Logprob, RequestOutput
 from shoal.sampling_params import SamplingParams
-from shoal.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from shoal.frontend.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
 
 _ASSISTANT = "assistant"
 
@@ -80,9 +83,10 @@ class _Chat:
     prompt: dict[str, Any]
     params: SamplingParams
     tools: ToolPlan
+    reasoning: ReasoningParser | None  # None: the whole output is the answer
 
-    def choice_output(self, reasoning: ReasoningParser | None) -> ChoiceOutput:
-        return ChoiceOutput(reasoning, self.tools.parser)
+    def choice_output(self) -> ChoiceOutput:
+        return ChoiceOutput(self.reasoning, self.tools.parser)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -97,6 +101,17 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, tokenizer_thread, limits, admission)
         self.options = options or ChatOptions()
         self.reasoning = get_reasoning_parser(self.options.reasoning_parser) if self.options.reasoning_parser else None
+        self.thinking_tokens = None
+        if self.reasoning is not None and self.tokenizer is not None:
+            self.thinking_tokens = self.reasoning.marker_token_ids(self.tokenizer)
+            if self.thinking_tokens is None:
+                logger.warning(
+                    "--reasoning-parser %s: the tokenizer has no single token for %s and %s, so the model "
+                    "cannot think: its outputs are read as answers",
+                    self.reasoning.name,
+                    self.reasoning.start,
+                    self.reasoning.end,
+                )
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         deadline = self.deadline()
@@ -138,25 +153,24 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"max_tokens must be below the maximum context length {self.max_model_len}", "max_tokens")
         self.check_prompt(token_ids, max_tokens, "messages")
         self.kv_cache_fit.check(len(token_ids), request.n, max_tokens)
+        reasoning = self._reasoning_after(text)
+        if reasoning is not None and structured is not None:
+            assert self.thinking_tokens is not None
+            structured = reasoning.constrain_answer(structured, self.thinking_tokens)
         params = request.to_sampling_params(
-            max_tokens,
-            (request.top_logprobs or 0) if request.logprobs else None,
-            structured_outputs=self._after_reasoning(structured, text),
+            max_tokens, (request.top_logprobs or 0) if request.logprobs else None, structured_outputs=structured
         )
         if tools.parser is not None and tools.parser.special_tokens:
             params = params.clone(skip_special_tokens=False)  # the parser reads its marker tokens
         await self.check_params(params)
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
-        return _Chat(request, random_id("chatcmpl"), prompt, params, tools)
+        return _Chat(request, random_id("chatcmpl"), prompt, params, tools, reasoning)
 
-    def _after_reasoning(
-        self, structured: StructuredOutputsParams | None, prompt: str
-    ) -> StructuredOutputsParams | None:
-        """With a reasoning parser, the constraint starts after the model's thinking ends
-        (unless the template already ended it)."""
-        if structured is None or self.reasoning is None or self.reasoning.prompt_ends_thinking(prompt):
-            return structured
-        return msgspec.structs.replace(structured, reasoning_end_token_ids=self.reasoning.end_token_ids(self.tokenizer))
+    def _reasoning_after(self, prompt: str) -> ReasoningParser | None:
+        """The reasoning parser, where the model may think after `prompt`."""
+        if self.reasoning is None or self.thinking_tokens is None or self.reasoning.prompt_ends_thinking(prompt):
+            return None
+        return self.reasoning
 
     async def render(
         self,
@@ -167,9 +181,7 @@ class OpenAIServingChat(OpenAIServing):
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation (raises `ValueError` for a bad one)."""
-        conversation = [
-            _with_text_content(m.as_template_input() if isinstance(m, ChatMessageParam) else m) for m in messages
-        ]
+        conversation = [m.as_template_input() if isinstance(m, ChatMessageParam) else m for m in messages]
         return await self.in_tokenizer_thread(
             render_chat, self.tokenizer, conversation, add_generation_prompt, chat_template, chat_template_kwargs, tools
         )
@@ -185,7 +197,7 @@ class OpenAIServingChat(OpenAIServing):
         request = chat.request
         choices = []
         for completion in sorted(final.outputs, key=lambda c: c.index):
-            reasoning, content, tool_calls = chat.choice_output(self.reasoning).message(completion.text)
+            reasoning, content, tool_calls = chat.choice_output().message(completion.text)
             choices.append(
                 ChatCompletionChoice(
                     index=completion.index,
@@ -213,7 +225,7 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         num_prompt_tokens = len(chat.prompt["prompt_token_ids"])
         num_completion_tokens = 0
-        outputs = [chat.choice_output(self.reasoning) for _ in range(request.n)]
+        outputs = [chat.choice_output() for _ in range(request.n)]
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             chunk_usage = None
@@ -284,17 +296,3 @@ class OpenAIServingChat(OpenAIServing):
 def _finish_reason(finish_reason: str | None, has_tool_calls: bool) -> str | None:
     """OpenAI's "tool_calls" for a choice that ended (not cut off) with tool calls."""
     return "tool_calls" if finish_reason == "stop" and has_tool_calls else finish_reason
-
-
-def _with_text_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts (`[{"type": "text", "text": ...}, ...]`) joined into one string;
-    shoal's models read text only."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}

@@ -86,16 +86,23 @@ def _named_choice(choice: Any) -> str:
 
 def required_calls_schema(functions: list[dict[str, Any]], parallel_tool_calls: bool) -> dict[str, Any]:
     """A JSON array of one or more calls, each {"name": <a tool's name>, "parameters": <its
-    arguments>}; the name comes first, so a stream can announce the call before its arguments."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "parameters": f.get("parameters") or _ANY_OBJECT},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
+    arguments>}; the name comes first, so a stream can announce the call before its arguments.
+
+    A `$ref` is resolved from the root of the schema it is in, so each tool's definitions
+    (`$defs`, or the older `definitions`) move to the root of the combined schema, renamed where
+    two tools use one name, and its references are rewritten to match."""
+    root_defs: dict[str, Any] = {}
+    calls = []
+    for f in functions:
+        parameters = _hoisted(f["name"], f.get("parameters") or _ANY_OBJECT, root_defs)
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {
         "type": "array",
         "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
@@ -103,4 +110,71 @@ def required_calls_schema(functions: list[dict[str, Any]], parallel_tool_calls: 
     }
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    if root_defs:
+        schema["$defs"] = root_defs
     return schema
+
+
+_DEFINITIONS_KEYS = ("$defs", "definitions")
+
+
+def _hoisted(tool_name: str, parameters: dict[str, Any], root_defs: dict[str, Any]) -> dict[str, Any]:
+    """`parameters` without its definitions, which join `root_defs` under names not yet taken
+    there; its `$ref`s (and its definitions' own) now point into the combined schema (a
+    reference into the parameters themselves, to a copy of them named after the tool)."""
+    local = {key: parameters.get(key) for key in _DEFINITIONS_KEYS if isinstance(parameters.get(key), dict)}
+    body = {key: value for key, value in parameters.items() if key not in local}
+    renamed: dict[tuple[str, str], str] = {}
+    for key, definitions in local.items():
+        for name in definitions:
+            renamed[key, name] = _free_name(name, root_defs)
+            root_defs[renamed[key, name]] = None  # taken
+    whole = _free_name(tool_name, root_defs)
+    needs_whole = False
+
+    def pointer(ref: str) -> str:
+        nonlocal needs_whole
+        segments = [_unescape(s) for s in ref[1:].split("/")[1:]] if ref.startswith("#/") else []
+        if len(segments) >= 2 and (segments[0], segments[1]) in renamed:
+            return _ref([renamed[segments[0], segments[1]], *segments[2:]])
+        needs_whole = True  # "#" (a recursive schema) or a path into its properties
+        return _ref([whole, *segments])
+
+    for key, definitions in local.items():
+        for name, definition in definitions.items():
+            root_defs[renamed[key, name]] = _with_refs(definition, pointer)
+    body = _with_refs(body, pointer)
+    if needs_whole:
+        root_defs[whole] = body
+    return body
+
+
+def _free_name(name: str, taken: dict[str, Any]) -> str:
+    candidate, number = name, 1
+    while candidate in taken:
+        number += 1
+        candidate = f"{name}_{number}"
+    return candidate
+
+
+def _with_refs(node: Any, pointer: Any) -> Any:
+    """`node` with every local `$ref` ("#...") replaced by `pointer(ref)`."""
+    if isinstance(node, list):
+        return [_with_refs(item, pointer) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _with_refs(value, pointer) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = pointer(ref)
+    return out
+
+
+def _unescape(segment: str) -> str:
+    """One JSON-pointer segment (RFC 6901: `~1` is "/", `~0` is "~")."""
+    return segment.replace("~1", "/").replace("~0", "~")
+
+
+def _ref(segments: list[str]) -> str:
+    escaped = (s.replace("~", "~0").replace("/", "~1") for s in segments)
+    return "#/$defs/" + "/".join(escaped)

@@ -1,5 +1,6 @@
 """Qwen3: the model opens its thinking itself with `<think>` and closes it with `</think>`; an
-output that does not start with `<think>` (thinking turned off) is all answer."""
+output that does not start with `<think>` (thinking turned off) is all answer. Under a
+structured-output constraint the first token is `<think>` or the answer's first token."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from shoal.entrypoints.openai.reasoning_parsers.base import ReasoningParser
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    model_opens_thinking = True
 
     def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         stripped = text.lstrip()

@@ -3,15 +3,26 @@ whatever the model's own format: the output is JSON that the tool schemas constr
 
 - required: `[{"name": ..., "parameters": {...}}, ...]`, at least one call;
 - named: the output is the named function's arguments.
+
+The output is never an answer in words: one the grammar did not let finish (cut off by
+`max_tokens`) is a fragment of a call (`[`, `{"city":`), so the message has no content and no
+calls, and `finish_reason` says "length".
 """
 
 from __future__ import annotations
 
+from shoal.entrypoints.openai.protocol import ToolCall
 from shoal.entrypoints.openai.tool_parsers.base import ParsedOutput, ToolCallDraft, ToolParser, draft_from_members
 from shoal.entrypoints.openai.tool_parsers.json_scan import array_elements, object_members, skip_whitespace, value_end
 
 
-class RequiredToolCallsParser(ToolParser):
+class ForcedToolCallParser(ToolParser):
+    def tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        _, calls = super().tool_calls(text)
+        return None, calls
+
+
+class RequiredToolCallsParser(ForcedToolCallParser):
     name = "required"
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
@@ -28,7 +39,7 @@ class RequiredToolCallsParser(ToolParser):
         return parsed
 
 
-class NamedToolCallParser(ToolParser):
+class NamedToolCallParser(ForcedToolCallParser):
     name = "named"
 
     def __init__(self, function_name: str) -> None:
