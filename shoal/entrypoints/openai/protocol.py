@@ -2,10 +2,11 @@
 under the names vLLM gives them.
 
 Requests are parsed in strict mode: a wrong JSON type (`"max_tokens": "5"`, `"logprobs": true`
-on /v1/completions) is a 400, never silently coerced. Unknown fields are ignored, as OpenAI
-clients send fields shoal has no use for (`user`, ...). Values are checked where they become
-`SamplingParams`, so each rule lives in one place (structured output and logit_bias in
-`sampling_extensions.py`).
+on /v1/completions) is a 400, never silently coerced. vLLM's and OpenAI's fields that shoal
+does not implement are declared and refused unless they ask for nothing (`refused_fields.py`);
+other unknown fields are ignored, as clients send fields of their own. Values are checked
+where they become `SamplingParams`, so each rule lives in one place (structured output and
+logit_bias in `sampling_extensions.py`).
 """
 
 from __future__ import annotations
