@@ -215,14 +215,14 @@ class EngineArgs:
         return self.async_scheduling
 
     def _model_config(self, device: Device) -> ModelConfig:
+        from shoal.demo_model import DEMO_MODEL_NAME, ensure_demo_model, is_demo_model_dir
+
         model = self.model
         if model is None:
-            from shoal.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-
             model = ensure_demo_model()
-            served = self.served_model_name or DEMO_MODEL_NAME
-        else:
-            served = self.served_model_name or model
+        # The demo model answers to its name, however it was given (the README's promise).
+        default_name = DEMO_MODEL_NAME if is_demo_model_dir(model) else model
+        served = self.served_model_name or default_name
         if not Path(model).is_dir():
             raise ValueError(f"model {model!r} is not a local directory with a config.json")
         hf_config = _load_hf_config(model)

@@ -30,6 +30,11 @@ def demo_model_dir() -> Path:
     return Path(envs.SHOAL_CACHE_DIR) / "models" / DEMO_MODEL_NAME
 
 
+def is_demo_model_dir(model: str) -> bool:
+    """Whether `model` is the demo model's folder (given by its path, as tests and users do)."""
+    return Path(model).expanduser().resolve() == demo_model_dir().expanduser().resolve()
+
+
 def _gguf_folder() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

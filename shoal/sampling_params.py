@@ -18,6 +18,9 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # The range of a logit_bias value (OpenAI's).
 MAX_LOGIT_BIAS = 100.0
+# Seeds are signed 64-bit integers (as OpenAI's and vLLM's); torch's generators take them as
+# their unsigned two's complement, so each seed gives its own deterministic stream.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -49,6 +52,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     detokenize: bool = True
     # Token id -> a value added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
     # The output must match a JSON schema, regex, choice or grammar (vLLM's structured outputs).
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -91,7 +96,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         if self.seed is not None:
-            _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+            _check(MIN_SEED <= self.seed <= MAX_SEED, "seed", f"must be a signed 64-bit integer, got {self.seed}")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty (None allows every token)")
+            _check(all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids", "must be >= 0")
         if self.logit_bias is not None:
             _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "token ids must be >= 0")
             bad = next((b for b in self.logit_bias.values() if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
@@ -101,6 +109,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             # forbidding it before min_tokens, would leave no token to sample.
             _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured_outputs")
             _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured_outputs")
+            # Two masks whose intersection may be empty would leave nothing to sample.
+            _check(self.allowed_token_ids is None, "allowed_token_ids", "cannot be combined with structured_outputs")
 
     @property
     def uses_penalties(self) -> bool:
@@ -114,6 +124,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def clone(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return msgspec.structs.replace(self, **changes)
+
+
+def offset_seed(seed: int, offset: int) -> int:
+    """`seed + offset`, wrapped around the signed 64-bit range (completion i of n uses seed + i)."""
+    return (seed + offset - MIN_SEED) % 2**64 + MIN_SEED
 
 
 def _check(ok: bool, field: str, message: str) -> None:

@@ -7,7 +7,7 @@ import math
 import msgspec
 import pytest
 
-from shoal.sampling_params import MAX_LOGPROBS, SamplingParams
+from shoal.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, offset_seed
 
 
 def test_defaults() -> None:
@@ -53,8 +53,14 @@ def test_normalization() -> None:
         ("prompt_logprobs", {"prompt_logprobs": MAX_LOGPROBS + 1}),
         ("stop", {"stop": ["ok", ""]}),
         ("stop_token_ids", {"stop_token_ids": [3, -1]}),
-        ("seed", {"seed": -1}),
+        ("seed", {"seed": -(2**63) - 1}),
         ("seed", {"seed": 2**63}),
+        ("allowed_token_ids", {"allowed_token_ids": []}),
+        ("allowed_token_ids", {"allowed_token_ids": [3, -1]}),
+        (
+            "allowed_token_ids",
+            {"allowed_token_ids": [3], "structured_outputs": StructuredOutputsParams(choice=["a"])},
+        ),
     ],
 )
 def test_invalid_value_raises_naming_the_field(field: str, kwargs: dict[str, object]) -> None:
@@ -75,6 +81,9 @@ def test_invalid_value_raises_naming_the_field(field: str, kwargs: dict[str, obj
         {"logprobs": 0, "prompt_logprobs": MAX_LOGPROBS},
         {"seed": 0},
         {"seed": 2**63 - 1},
+        {"seed": -1},
+        {"seed": -(2**63)},
+        {"allowed_token_ids": [0, 7]},
         {"stop_token_ids": [0]},
     ],
 )
@@ -82,6 +91,15 @@ def test_edge_values_are_accepted(kwargs: dict[str, object]) -> None:
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]
     for name, value in kwargs.items():
         assert getattr(params, name) == value
+
+
+@pytest.mark.parametrize(
+    ("seed", "offset", "expected"),
+    [(5, 2, 7), (-1, 1, 0), (2**63 - 1, 1, -(2**63)), (2**63 - 2, 3, -(2**63) + 1), (-(2**63), 0, -(2**63))],
+)
+def test_offset_seed_wraps_around_the_signed_range(seed: int, offset: int, expected: int) -> None:
+    assert offset_seed(seed, offset) == expected
+    SamplingParams(seed=offset_seed(seed, offset))  # still a valid seed
 
 
 def test_clone_changes_fields_and_validates_again() -> None:
@@ -119,6 +137,7 @@ FULL = SamplingParams(
     skip_special_tokens=False,
     spaces_between_special_tokens=False,
     detokenize=False,
+    allowed_token_ids=[2, 13, 40],
 )
 
 

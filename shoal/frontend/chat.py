@@ -21,9 +21,14 @@ def render_chat(
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
     """The prompt text and its token ids for one conversation; `tools` (OpenAI's function
-    definitions) are rendered by the template, which decides how the model sees them."""
+    definitions) are rendered by the template, which decides how the model sees them. Any role
+    is passed on: the template decides what it makes of it. `continue_final_message` leaves
+    the last message open (the text ends with its content, for the model to continue);
+    `add_special_tokens` adds the tokenizer's own (bos) to what the template wrote."""
     if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
         raise ValueError("a conversation must be a list of {'role': ..., 'content': ...} messages")
     for message in conversation:
@@ -38,13 +43,14 @@ def render_chat(
             tools=tools or None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             chat_template=chat_template,
             **(chat_template_kwargs or {}),
         )
     except Exception as exc:  # jinja raises many types for a bad conversation or template
         raise ValueError(f"cannot apply the chat template: {exc}") from exc
     # The template already wrote any special tokens (bos, role markers) as text.
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:

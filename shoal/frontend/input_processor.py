@@ -70,17 +70,17 @@ class InputProcessor:
         )
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What only the model can tell about sampling parameters: logit_bias token ids in its
-        vocabulary, a structured-output spec its grammar library can build (cached: checking
-        the same spec again costs nothing)."""
+        """What only the model can tell about sampling parameters: the token ids of logit_bias
+        and allowed_token_ids in its vocabulary, a structured-output spec its grammar library
+        can build (cached: checking the same spec again costs nothing)."""
         vocab_size = self.model_config.vocab_size
         bad_stop = next((t for t in params.stop_token_ids if t >= vocab_size), None)
         if bad_stop is not None:
             raise ValueError(f"SamplingParams.stop_token_ids id {bad_stop} is out of the vocabulary [0, {vocab_size})")
-        if params.logit_bias:
-            bad = next((t for t in params.logit_bias if t >= vocab_size), None)
+        for name, token_ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = next((t for t in token_ids or () if t >= vocab_size), None)
             if bad is not None:
-                raise ValueError(f"SamplingParams.logit_bias token id {bad} is out of the vocabulary [0, {vocab_size})")
+                raise ValueError(f"SamplingParams.{name} token id {bad} is out of the vocabulary [0, {vocab_size})")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer, and this model has none")

@@ -15,7 +15,7 @@ from typing import Any
 from shoal.frontend.detokenizer import IncrementalDetokenizer
 from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, WeightVersionSpan
 from shoal.protocol import EngineCoreOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, offset_seed
 from shoal.step import LogprobsLists
 
 
@@ -106,7 +106,7 @@ def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
     """Each of the n completions samples on its own; with a seed, completion i uses seed + i."""
     changes: dict[str, Any] = {"n": 1}
     if params.seed is not None and index:
-        changes["seed"] = (params.seed + index) % 2**63
+        changes["seed"] = offset_seed(params.seed, index)
     return params.clone(**changes)
 
 

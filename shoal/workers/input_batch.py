@@ -34,7 +34,7 @@ class RequestState:
     temperature: float = field(init=False)  # 1.0 where greedy
     reads_output_tokens: bool = field(init=False)  # penalties count them, min_tokens their number
     # Temperature (or greedy) alone: no top-k/p, min-p, penalties, min_tokens, logit_bias,
-    # logprobs or seed (a grammar's bitmask is applied to any row, plain or not).
+    # allowed_token_ids, logprobs or seed (a grammar's bitmask is applied to any row, plain or not).
     plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -49,6 +49,7 @@ class RequestState:
             and params.min_p == 0.0
             and params.logprobs is None
             and params.logit_bias is None
+            and params.allowed_token_ids is None
             and self.generator is None
         )
 

@@ -2,8 +2,8 @@
 
 Order of operations: a structured row's grammar bitmask (disallowed tokens to -inf; logprobs
 are taken after it, as vLLM's are); then, as transformers' `generate` applies them,
-repetition, frequency and presence penalties; logit_bias; min_tokens (eos and stop tokens
-masked); then for sampled rows temperature,
+repetition, frequency and presence penalties; logit_bias; allowed_token_ids (every other
+token masked); min_tokens (eos and stop tokens masked); then for sampled rows temperature,
 top-k, top-p and min-p; greedy rows take the argmax of the penalized logits. Sampling uses the
 exponential race (argmax of p / q, q ~ Exp(1)), equivalent to drawing from p; a request with a
 seed draws its q from its own generator, so its tokens do not depend on what else is batched.
@@ -47,6 +47,9 @@ class SamplingMetadata:
     min_tokens_mask: list[tuple[int, list[int]]]
     # logit_bias: (rows, token ids, biases), one entry per biased token of a row.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: (the rows that have them, then rows and token ids: one entry per
+    # allowed token of a row).
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Structured output: the allowed tokens of some rows, int32 bit words [num_masked, num_words],
     # and which rows they are (None: every row, in order).
     token_bitmask: torch.Tensor | None = None
@@ -115,6 +118,7 @@ def _general_sampling_metadata(states: list[RequestState], vocab_size: int, devi
         output_token_ids=_pad([s.output_token_ids for s in states], vocab_size, device) if use_penalties else None,
         min_tokens_mask=[(i, _min_tokens_banned(s)) for i, s in enumerate(states) if _under_min_tokens(s)],
         logit_bias=_logit_bias(params, device) if any(p.logit_bias for p in params) else None,
+        allowed_token_ids=_allowed_token_ids(params, device) if any(p.allowed_token_ids for p in params) else None,
     )
 
 
@@ -130,6 +134,32 @@ def _logit_bias(params: list, device: torch.device) -> tuple[torch.Tensor, torch
         _column(token_ids, torch.int64, device),
         _column(biases, torch.float32, device),
     )
+
+
+def _allowed_token_ids(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, id_rows, token_ids = [], [], []
+    for row, p in enumerate(params):
+        if p.allowed_token_ids:
+            rows.append(row)
+            id_rows.extend([row] * len(p.allowed_token_ids))
+            token_ids.extend(p.allowed_token_ids)
+    return (
+        _column(rows, torch.int64, device),
+        _column(id_rows, torch.int64, device),
+        _column(token_ids, torch.int64, device),
+    )
+
+
+def apply_allowed_token_ids(
+    logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """`logits` with every token but a row's allowed ones set to -inf, on the rows that have
+    allowed tokens."""
+    rows, id_rows, token_ids = allowed
+    banned = torch.zeros_like(logits, dtype=torch.bool)  # [num_rows, vocab_size]
+    banned[rows] = True
+    banned[id_rows, token_ids] = False
+    return logits.masked_fill(banned, -float("inf"))
 
 
 def with_token_bitmask(
@@ -193,6 +223,8 @@ class Sampler(torch.nn.Module):
         if metadata.logit_bias is not None:
             rows, token_ids, biases = metadata.logit_bias
             logits = logits.index_put((rows, token_ids), biases, accumulate=True)
+        if metadata.allowed_token_ids is not None:
+            logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids)
         for row, banned in metadata.min_tokens_mask:
             logits[row, banned] = -float("inf")
         if metadata.all_greedy:
@@ -208,11 +240,11 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample_in_one_pass(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
-        """Plain temperature batches (no logprobs, penalties, min_tokens, top-k/p, min-p or
-        per-request seeds) take the one-pass Gumbel-max kernel straight from the model's logits,
+        """Plain temperature batches (no logprobs, penalties, min_tokens, logit_bias,
+        allowed_token_ids, top-k/p, min-p or per-request seeds) take the one-pass Gumbel-max kernel straight from the model's logits,
         without the float32 copy; None where the general path is needed."""
         plain = md.max_num_logprobs < 0 and md.repetition_penalty is None and not md.min_tokens_mask
-        plain = plain and md.logit_bias is None
+        plain = plain and md.logit_bias is None and md.allowed_token_ids is None
         plain = plain and md.top_k is None and md.top_p is None and md.min_p is None and not md.generators
         if not plain or md.all_greedy:
             return None

@@ -16,6 +16,10 @@ MAX_FUZZ_TOKENS = 4
 MAX_FUZZ_N = 2
 MAX_PROMPT_ITEMS = 4
 MAX_TEXT_CHARS = 16
+# 64-bit bounds (seeds): the schema's maximum is past a double's precision, so a generator that
+# reads it as a double makes integers a little above it.
+_INT64_FIELDS = ("seed", "truncate_prompt_tokens")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def fit_positive_body(path: str, body: Any, vocab_size: int) -> Any:
@@ -42,6 +46,9 @@ def _fit_sampling(body: dict[str, Any], vocab_size: int) -> None:
     if structured:
         _fit_structured(body, structured[0])
         body["ignore_eos"], body["min_tokens"] = False, 0  # a grammar's end must be able to stop
+        body.pop("allowed_token_ids", None)  # a second mask, which could leave nothing to sample
+    # stream_options only with a stream; prompt_logprobs only without one.
+    body.pop("prompt_logprobs" if body.get("stream") else "stream_options", None)
     # Few new tokens, so that a prompt of the fuzzed lengths fits the context with them.
     max_tokens = body.get("max_tokens")
     body["max_tokens"] = MAX_FUZZ_TOKENS if max_tokens is None else min(max_tokens, MAX_FUZZ_TOKENS)
@@ -50,6 +57,9 @@ def _fit_sampling(body: dict[str, Any], vocab_size: int) -> None:
     limit = body.get("max_completion_tokens") or body["max_tokens"]
     body["min_tokens"] = min(int(body.get("min_tokens") or 0), limit)
     body["n"] = min(int(body.get("n") or 1), MAX_FUZZ_N)
+    for name in _INT64_FIELDS:
+        if isinstance(body.get(name), int):
+            body[name] = min(max(body[name], INT64_MIN), INT64_MAX)
     if body.get("logit_bias"):
         body["logit_bias"] = {k: v for k, v in body["logit_bias"].items() if k.isdigit() and int(k) < vocab_size}
 
@@ -70,6 +80,11 @@ def _fit_chat(body: dict[str, Any]) -> None:
     body.pop("chat_template_kwargs", None)
     if body.get("messages") is not None:
         body["messages"] = [_short_message(m) for m in body["messages"][:MAX_PROMPT_ITEMS]]
+    if body.get("continue_final_message"):
+        # Continuing the last message: no generation prompt, and a text to continue.
+        body["add_generation_prompt"] = False
+        if body.get("messages") and not isinstance(body["messages"][-1].get("content"), str):
+            body["messages"][-1]["content"] = "x"
     if body.get("tools"):
         body["tool_choice"] = "none"  # the fuzzed server has no tool-call parser
         body["tools"] = [

@@ -227,3 +227,24 @@ def test_a_prompt_that_closed_the_thinking_is_answered_at_once(
         **CONSTRAINTS["json_schema"],
     )
     assert_constrained("json_schema", response.choices[0].message)
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(reasoning_server: ServerProcess) -> None:
+    """vLLM's `include_reasoning: false`: the thinking is still split off the content, and not sent."""
+    client: openai.OpenAI = reasoning_server.client()
+    think_end = end_of_thinking(reasoning_server)
+    kwargs = dict(
+        model=reasoning_server.model_name,
+        messages=[{"role": "user", "content": "one"}],
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(think_end): -100},
+    )
+    shown = client.chat.completions.create(**kwargs).choices[0].message  # type: ignore[call-overload]
+    assert shown.reasoning_content
+    hidden = client.chat.completions.create(extra_body={"include_reasoning": False}, **kwargs)  # type: ignore[call-overload]
+    assert hidden.choices[0].message.reasoning_content is None and hidden.choices[0].message.content is None
+    stream = client.chat.completions.create(stream=True, extra_body={"include_reasoning": False}, **kwargs)  # type: ignore[call-overload]
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert not any(getattr(delta, "reasoning_content", None) for delta in deltas)
+    assert not any(delta.content for delta in deltas)

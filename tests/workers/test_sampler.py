@@ -213,6 +213,31 @@ def test_logit_bias_is_added_to_its_rows() -> None:
     assert Sampler()(logits, md).sampled_token_ids.tolist() == expected.argmax(-1).tolist()
 
 
+def test_allowed_token_ids_restrict_their_rows_only() -> None:
+    """Sampled and greedy rows with allowed_token_ids draw only from them (a greedy row takes
+    the best of them); other rows in the batch are untouched; logprobs stay the raw ones."""
+    torch.manual_seed(5)
+    allowed = [3, 11, 40]
+    states = [
+        make_state(0, SamplingParams(temperature=1.0, allowed_token_ids=allowed, logprobs=1)),
+        make_state(1, SamplingParams(temperature=0.0)),
+        make_state(2, SamplingParams(temperature=0.0, allowed_token_ids=allowed)),
+    ]
+    assert not states[0].plain and not states[2].plain and states[1].plain
+    seen = set()
+    for _ in range(30):
+        logits = torch.randn(3, VOCAB)
+        out = Sampler()(logits, build_sampling_metadata(states, VOCAB, torch.device("cpu")))
+        sampled = out.sampled_token_ids.tolist()
+        seen.add(sampled[0])
+        assert sampled[0] in allowed
+        assert sampled[1] == int(logits[1].argmax())
+        assert sampled[2] == max(allowed, key=lambda t: float(logits[2, t]))
+        assert out.logprobs is not None
+        assert out.logprobs[0, 0] == pytest.approx(float(logits[0].log_softmax(-1)[sampled[0]]))
+    assert len(seen) > 1  # sampled, not forced to one token
+
+
 @pytest.mark.parametrize("every_row", [True, False])
 def test_token_bitmask_masks_exactly_the_disallowed_tokens(every_row: bool) -> None:
     torch.manual_seed(2)

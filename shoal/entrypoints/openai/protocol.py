@@ -2,10 +2,11 @@
 under the names vLLM gives them.
 
 Requests are parsed in strict mode: a wrong JSON type (`"max_tokens": "5"`, `"logprobs": true`
-on /v1/completions) is a 400, never silently coerced. Unknown fields are ignored, as OpenAI
-clients send fields shoal has no use for (`user`, ...). Values are checked where they become
-`SamplingParams`, so each rule lives in one place (structured output and logit_bias in
-`sampling_extensions.py`).
+on /v1/completions) is a 400, never silently coerced. vLLM's and OpenAI's fields that shoal
+does not implement are declared and refused unless they ask for nothing (`refused_fields.py`);
+other unknown fields are ignored, as clients send fields of their own. Values are checked
+where they become `SamplingParams`, so each rule lives in one place (structured output and
+logit_bias in `sampling_extensions.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from shoal.entrypoints.openai.json_limits import check_json_value
+from shoal.entrypoints.openai.refused_fields import RefusedChatFields, RefusedCompletionFields, RefusedSamplingFields
 from shoal.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
@@ -30,10 +32,9 @@ def now() -> int:
 
 # The most completions one request may ask for (OpenAI's limit).
 MAX_N = 128
-# Integers have bounds: token ids and counts 32-bit, seeds what JSON carries exactly.
+# Integers have bounds: token ids and counts 32-bit, seeds 64-bit signed (as OpenAI and vLLM).
 INT32_MAX = 2**31 - 1
-# The largest integer every JSON parser reads exactly (JavaScript's Number.MAX_SAFE_INTEGER).
-MAX_SAFE_INTEGER = 2**53 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _integral(value: Any) -> Any:
@@ -47,6 +48,14 @@ def integer(**constraints: Any) -> Any:
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
 
 
+def _not_whole_vocabulary(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and value == -1:
+        raise ValueError(
+            f"-1 (every token of the vocabulary) is not supported: ask for at most {MAX_LOGPROBS} per position"
+        )
+    return value
+
+
 # The constrained types the schema states and pydantic enforces (each a 400 when broken).
 # `x-shoal-bound`: the schema's maximum comes from the served model (openapi.py): its vocabulary
 # size for token ids, its context for max_tokens.
@@ -56,9 +65,29 @@ Count = integer(ge=0, le=INT32_MAX)
 MaxTokens = integer(ge=0, le=INT32_MAX, json_schema_extra={"x-shoal-bound": "context"})
 PositiveMaxTokens = integer(ge=1, le=INT32_MAX, json_schema_extra={"x-shoal-bound": "context"})
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
+# vLLM's -1 (the whole vocabulary) gets a 400 that says so.
+NumLogprobs = Annotated[integer(ge=0, le=MAX_LOGPROBS), BeforeValidator(_not_whole_vocabulary)]
 LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
+
+
+def _keeps_a_token(value: int) -> int:
+    if value == 0:
+        raise ValueError("0 would keep no prompt token: give a count of at least 1, or -1")
+    return value
+
+
+# vLLM's truncate_prompt_tokens: keep N prompt tokens, or -1: as many as fit with max_tokens.
+TruncatePromptTokens = Annotated[
+    integer(ge=-1, le=INT64_MAX, json_schema_extra={"not": {"const": 0}}), AfterValidator(_keeps_a_token)
+]
+# A client's request id (vLLM's `request_id`): the response's id is built from it.
+ClientRequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
+
+
+def unless_none(**kwargs: Any) -> Any:
+    """A response field vLLM adds to OpenAI's: left out of the JSON unless it was asked for."""
+    return Field(default=None, exclude_if=lambda value: value is None, **kwargs)
 
 
 class RequestModel(BaseModel):
@@ -113,9 +142,20 @@ class RequestBody(RequestModel):
 
 
 class StreamOptions(RequestModel):
-    include_usage: bool = False
-    # Every chunk carries the usage so far (vLLM's extension).
+    """Only with `stream: true`. The usage: a last chunk with it (`include_usage`) and, with
+    vLLM's `continuous_usage_stats`, every chunk with the usage so far; `continuous_usage_stats`
+    alone implies `include_usage` (as vLLM, where include_usage defaults to true)."""
+
+    include_usage: bool | None = None
     continuous_usage_stats: bool = False
+
+    @property
+    def final_usage(self) -> bool:
+        return self.include_usage if self.include_usage is not None else self.continuous_usage_stats
+
+    @property
+    def chunk_usage(self) -> bool:
+        return self.final_usage and self.continuous_usage_stats
 
 
 class TextFormat(RequestModel):
@@ -166,9 +206,10 @@ ResponseFormat = Annotated[
 ]
 
 
-class SamplingRequest(RequestBody):
+class SamplingRequest(RequestBody, RefusedSamplingFields):  # type: ignore[misc, valid-type]
     """The sampling fields /v1/completions and /v1/chat/completions share, with the ranges
-    `SamplingParams` enforces (so that the schema says them)."""
+    `SamplingParams` enforces (so that the schema says them); vLLM's fields shoal does not
+    implement are refused (`refused_fields.py`)."""
 
     model: str | None = None
     n: integer(ge=1, le=MAX_N) = 1  # type: ignore[valid-type]
@@ -176,7 +217,7 @@ class SamplingRequest(RequestBody):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    seed: integer(ge=0, le=MAX_SAFE_INTEGER) | None = None  # type: ignore[valid-type]
+    seed: integer(ge=INT64_MIN, le=INT64_MAX) | None = None  # type: ignore[valid-type]
     stop: NonEmptyText | list[NonEmptyText] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -205,6 +246,18 @@ class SamplingRequest(RequestBody):
     guided_grammar: str | None = None
     # Accepted and ignored: shoal has one grammar library.
     guided_decoding_backend: str | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    # The prompt's logprobs (the prompt token's and this many most likely at each position).
+    prompt_logprobs: NumLogprobs | None = None
+    # Keep this many prompt tokens: the last ones ("left", the default) or the first ("right").
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # The prompt's and each choice's token ids in the response (streamed too).
+    return_token_ids: bool | None = None
+    # Logprobs name tokens "token_id:<id>" rather than by their text.
+    return_tokens_as_token_ids: bool | None = None
+    request_id: ClientRequestId | None = None
 
     def to_sampling_params(
         self,
@@ -241,6 +294,7 @@ class SamplingRequest(RequestBody):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias_of(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
             structured_outputs=structured_outputs,
             **{name: value for name, value in optional.items() if value is not None},
         )
@@ -249,7 +303,7 @@ class SamplingRequest(RequestBody):
 # ---- /v1/completions ---------------------------------------------------------------------------
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, RefusedCompletionFields):  # type: ignore[misc, valid-type]
     # Text, several texts, token ids, or several lists of token ids; none of them empty.
     prompt: (
         NonEmptyText
@@ -293,12 +347,30 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class PromptLogprob(BaseModel):
+    """One token's logprob at one prompt position (vLLM's `prompt_logprobs` entries)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per prompt position: None for the first (nothing predicts it), then token id -> its logprob
+# (the prompt's token and the most likely ones).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: `prompt_logprobs`, and with `return_token_ids` the ids (a stream: the prompt's in
+    # a choice's first chunk, each chunk its new tokens').
+    prompt_logprobs: PromptLogprobs | None = unless_none()
+    prompt_token_ids: list[int] | None = unless_none()
+    token_ids: list[int] | None = unless_none()
 
 
 class CompletionResponse(BaseModel):
@@ -313,9 +385,6 @@ class CompletionResponse(BaseModel):
 # ---- /v1/chat/completions ----------------------------------------------------------------------
 
 
-ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
-
-
 class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
@@ -327,7 +396,8 @@ class ChatMessageParam(RequestModel):
 
     model_config = ConfigDict(strict=True, extra="allow")
 
-    role: ChatRole
+    # Any role: the chat template decides what it makes of it (as vLLM passes it on).
+    role: NonEmptyText
     content: str | list[TextContentPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
@@ -337,15 +407,26 @@ class ChatMessageParam(RequestModel):
 Conversation = Annotated[list[ChatMessageParam], Field(min_length=1)]
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, RefusedChatFields):  # type: ignore[misc, valid-type]
     messages: Conversation
     max_tokens: PositiveMaxTokens | None = None
     max_completion_tokens: PositiveMaxTokens | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    # vLLM's: continue the last message (left open, no end-of-turn) rather than start a new one.
+    continue_final_message: bool = False
+    # vLLM's: the answer's content starts with the last message's when that is the answer's role.
+    echo: bool = False
+    # vLLM's: special tokens (bos) added beyond those the template writes.
+    add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template (as vLLM does): retrieval documents, a reasoning effort.
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: false leaves reasoning_content out of the answer.
+    include_reasoning: bool = True
     tools: Tools | None = None
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} (kept as a dict)
     tool_choice: (
@@ -403,6 +484,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = unless_none()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -412,6 +494,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = unless_none()
+    prompt_token_ids: list[int] | None = unless_none()
 
 
 class DeltaFunctionCall(BaseModel):
@@ -442,6 +526,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = unless_none()
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -451,6 +536,8 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    # With return_token_ids: in each choice's first chunk.
+    prompt_token_ids: list[int] | None = unless_none()
 
 
 # ---- models, tokenizer, errors ------------------------------------------------------------------

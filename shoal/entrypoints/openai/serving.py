@@ -1,6 +1,7 @@
 """What the completion and chat handlers share: the model check, tokenization off the event
-loop, the context-length check, the overload limits (`serving_limits.py`), server-sent events,
-merging the streams of several prompts, and cancelling work when the client goes away."""
+loop, prompt truncation and the context-length check, the overload limits (`serving_limits.py`),
+the fields both routes answer alike (token names, prompt logprobs, response ids), server-sent
+events, merging the streams of several prompts, and cancelling work when the client goes away."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
 from shoal.entrypoints.openai.errors import bad_request, model_not_found, to_api_error
-from shoal.entrypoints.openai.protocol import UsageInfo
+from shoal.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs, SamplingRequest, UsageInfo, random_id
 from shoal.entrypoints.openai.serving_limits import (
     Admission,
     KVCacheFit,
@@ -28,6 +29,7 @@ from shoal.entrypoints.openai.serving_limits import (
     default_max_num_waiting,
     with_deadline,
 )
+from shoal.outputs import PositionLogprobs
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -96,6 +98,19 @@ class OpenAIServing:
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
+    def truncated(self, token_ids: list[int], request: SamplingRequest, max_tokens: int | None) -> list[int]:
+        """The prompt's tokens after vLLM's `truncate_prompt_tokens`: the last N ("left", the
+        default `truncation_side`) or the first N ("right"); -1 keeps as many as fit in the
+        context with `max_tokens` (at least one) new tokens."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = max(self.max_model_len - max(max_tokens or 1, 1), 1)
+        if len(token_ids) <= keep:
+            return token_ids
+        return token_ids[:keep] if request.truncation_side == "right" else token_ids[-keep:]
+
     def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None, prompt_name: str) -> None:
         """A 400 unless the prompt and `max_tokens` new tokens fit in the context (OpenAI's wording)."""
         num_prompt_tokens = len(prompt_token_ids)
@@ -124,6 +139,47 @@ class OpenAIServing:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def token_name(self, token_id: int, decoded: str | None, as_token_ids: bool | None) -> str:
+        """How logprobs name a token: its text, or "token_id:<id>" (vLLM's
+        `return_tokens_as_token_ids`, for tokens whose text is not valid on its own)."""
+        if as_token_ids:
+            return f"token_id:{token_id}"
+        return decoded if decoded is not None else self.decode_token(token_id)
+
+
+def check_stream_fields(request: SamplingRequest) -> None:
+    """The fields that need (or refuse) `stream: true`, as OpenAI and vLLM answer them."""
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request(
+            "prompt_logprobs are not returned in a stream (as vLLM): drop stream or them", "prompt_logprobs"
+        )
+
+
+def response_id(prefix: str, request: SamplingRequest) -> str:
+    """The response's id: `<prefix>-<request_id>` for a client's `request_id` (as vLLM)."""
+    return f"{prefix}-{request.request_id}" if request.request_id is not None else random_id(prefix)
+
+
+def prompt_logprobs_of(
+    prompt_token_ids: list[int], rows: list[PositionLogprobs | None] | None, num_top: int
+) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs`: None for the first position, then the prompt's token and the
+    `num_top` most likely tokens at each (the engine may have computed more of them)."""
+    if rows is None:
+        return None
+    return [
+        None
+        if row is None
+        else {
+            tid: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for tid, lp in row.items()
+            if tid == token_id or lp.rank <= num_top
+        }
+        for token_id, row in zip(prompt_token_ids, rows)
+    ]
 
 
 def make_admission(engine: AsyncLLM, limits: ServingLimits) -> Admission:

@@ -9,6 +9,11 @@ in the choice's text, counted over the decoded tokens).
 `max_tokens: 0` scores a prompt: nothing is generated (with `echo` and `logprobs`, the prompt's
 logprobs are the answer). The engine computes the prompt's logprobs while it prefills, and the
 token that prefill samples is dropped here.
+
+vLLM's fields: `prompt_logprobs` (each choice's `prompt_logprobs`), `return_token_ids` (each
+choice's `prompt_token_ids` and `token_ids`; streamed, the prompt's in a choice's first chunk),
+`return_tokens_as_token_ids` (logprobs name tokens "token_id:<id>"; `text_offset` still counts
+the text), `truncate_prompt_tokens` / `truncation_side` (the echoed prompt is what was kept).
 """
 
 from __future__ import annotations
@@ -25,14 +30,17 @@ from shoal.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobs,
     now,
-    random_id,
 )
 from shoal.entrypoints.openai.sampling_extensions import structured_outputs_of
 from shoal.entrypoints.openai.serving import (
     OpenAIServing,
+    check_stream_fields,
     clamp_logprob,
     merge_streams,
+    prompt_logprobs_of,
+    response_id,
     sse_event,
     usage,
 )
@@ -46,23 +54,23 @@ TokenizedPrompt = tuple[str | None, list[int]]
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(request.model)
+        check_stream_fields(request)
         deadline = self.deadline()
-        prompts = await self._tokenize_prompts(request)
+        prompts = [self._truncated(p, request) for p in await self._tokenize_prompts(request)]
         for _, token_ids in prompts:
             self.check_prompt(token_ids, request.max_tokens, "prompt")
             self.kv_cache_fit.check(len(token_ids), request.n, request.max_tokens)
-        echo_logprobs = request.logprobs if request.echo else None
         # Scoring (max_tokens 0): the engine samples one token after the prompt, dropped in _scored.
         max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
         params = request.to_sampling_params(
             max_tokens,
             request.logprobs,
-            prompt_logprobs=echo_logprobs,
+            prompt_logprobs=_num_prompt_logprobs(request),
             structured_outputs=structured_outputs_of(request),
         )
         await self.check_params(params)
         ticket = self.admit(len(prompts) * request.n)
-        request_id = random_id("cmpl")
+        request_id = response_id("cmpl", request)
         if request.stream:
             return self.sse_response(self._stream(request, request_id, prompts, params, deadline), ticket)
         work = self._complete(request, request_id, prompts, params, deadline)
@@ -80,6 +88,12 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             prompt_list = list(prompt)
         return await self.in_tokenizer_thread(self._tokenize_all, prompt_list, request.add_special_tokens)
+
+    def _truncated(self, prompt: TokenizedPrompt, request: CompletionRequest) -> TokenizedPrompt:
+        """A prompt cut to `truncate_prompt_tokens`; its text is then the kept tokens' (echo)."""
+        text, token_ids = prompt
+        kept = self.truncated(token_ids, request, request.max_tokens)
+        return (text, token_ids) if kept is token_ids else (None, kept)
 
     def _tokenize_all(self, prompts: list[str | list[int]], add_special_tokens: bool) -> list[TokenizedPrompt]:
         return [
@@ -121,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 completion = _scored(completion) if request.max_tokens == 0 else completion
                 num_completion_tokens += len(completion.token_ids)
-                text, logprobs = self._choice_body(request, output, completion, with_prompt=request.echo)
+                text, logprobs, _ = self._choice_body(request, output, completion, with_prompt=request.echo)
                 choices.append(
                     CompletionChoice(
                         index=i * request.n + completion.index,
@@ -129,6 +143,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=_prompt_logprobs(request, output),
+                        prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
+                        token_ids=completion.token_ids if request.return_token_ids else None,
                     )
                 )
         return CompletionResponse(
@@ -142,18 +159,20 @@ class OpenAIServingCompletion(OpenAIServing):
         completion: CompletionOutput,
         with_prompt: bool,
         text_offset: int = 0,
-    ) -> tuple[str, CompletionLogprobs | None]:
-        """A choice's text (or the part of it new in a stream chunk) and its logprobs."""
+    ) -> tuple[str, CompletionLogprobs | None, int]:
+        """A choice's text (or the part of it new in a stream chunk), its logprobs, and the
+        text offset after them."""
         text = completion.text
         logprobs = CompletionLogprobs() if request.logprobs is not None else None
         if with_prompt:
             text = self._prompt_text(output) + text
             if logprobs is not None:
                 rows = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-                text_offset = self._add_logprobs(logprobs, output.prompt_token_ids, rows, text_offset)
+                text_offset = self._add_logprobs(request, logprobs, output.prompt_token_ids, rows, text_offset)
         if logprobs is not None:
-            self._add_logprobs(logprobs, completion.token_ids, completion.logprobs or [], text_offset)
-        return text, logprobs
+            rows = completion.logprobs or []
+            text_offset = self._add_logprobs(request, logprobs, completion.token_ids, rows, text_offset)
+        return text, logprobs, text_offset
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -162,26 +181,27 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _add_logprobs(
         self,
+        request: CompletionRequest,
         logprobs: CompletionLogprobs,
         token_ids: list[int],
         rows: Sequence[PositionLogprobs | None],
         text_offset: int,
     ) -> int:
-        """Append one entry per token; returns the text offset after the last one."""
+        """Append one entry per token (its row cut to the request's `logprobs`: a prompt's rows
+        may hold more for `prompt_logprobs`); returns the text offset after the last one."""
+        num_top, as_ids = request.logprobs or 0, request.return_tokens_as_token_ids
         for token_id, row in zip(token_ids, rows):
             actual = row.get(token_id) if row else None
-            token = actual.decoded_token if actual is not None and actual.decoded_token is not None else None
-            token = token if token is not None else self.decode_token(token_id)
-            logprobs.tokens.append(token)
+            text = self.token_name(token_id, actual.decoded_token if actual is not None else None, False)
+            logprobs.tokens.append(self.token_name(token_id, text, as_ids))
             logprobs.text_offset.append(text_offset)
-            text_offset += len(token)
+            text_offset += len(text)
             logprobs.token_logprobs.append(clamp_logprob(actual.logprob) if actual is not None else None)
             logprobs.top_logprobs.append(
                 {
-                    (lp.decoded_token if lp.decoded_token is not None else self.decode_token(tid)): clamp_logprob(
-                        lp.logprob
-                    )
+                    self.token_name(tid, lp.decoded_token, as_ids): clamp_logprob(lp.logprob)
                     for tid, lp in row.items()
+                    if tid == token_id or lp.rank <= num_top
                 }
                 if row
                 else None
@@ -201,7 +221,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = now()
         num_choices = len(prompts) * request.n
         text_offsets = [0] * num_choices
-        echoed = [False] * num_choices
+        started = [False] * num_choices
         num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
         num_completion_tokens = 0
         options = request.stream_options
@@ -211,28 +231,32 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion = _scored(completion) if request.max_tokens == 0 else completion
                 index = i * request.n + completion.index
                 num_completion_tokens += len(completion.token_ids)
-                with_prompt = request.echo and not echoed[index]
-                echoed[index] = True
-                text, logprobs = self._choice_body(request, output, completion, with_prompt, text_offsets[index])
-                if logprobs is not None and logprobs.tokens:
-                    text_offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                if not text and completion.finish_reason is None and not (logprobs and logprobs.tokens):
+                first = not started[index]
+                with_prompt = request.echo and first
+                text, logprobs, text_offsets[index] = self._choice_body(
+                    request, output, completion, with_prompt, text_offsets[index]
+                )
+                token_ids = completion.token_ids if request.return_token_ids else None
+                if not (text or token_ids or completion.finish_reason is not None or (logprobs and logprobs.tokens)):
                     continue  # nothing new to say yet (text held back for a possible stop string)
+                started[index] = True
                 choice = CompletionChoice(
                     index=index,
                     text=text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    prompt_token_ids=output.prompt_token_ids if request.return_token_ids and first else None,
+                    token_ids=token_ids,
                 )
                 chunk_usage = None
-                if options is not None and options.continuous_usage_stats:
+                if options is not None and options.chunk_usage:
                     chunk_usage = usage(num_prompt_tokens, num_completion_tokens)
                 chunk = CompletionResponse(
                     id=request_id, created=created, model=self.model_name, choices=[choice], usage=chunk_usage
                 )
                 yield sse_event(chunk)
-        if options is not None and options.include_usage:
+        if options is not None and options.final_usage:
             final = CompletionResponse(
                 id=request_id,
                 created=created,
@@ -241,6 +265,19 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage=usage(num_prompt_tokens, num_completion_tokens),
             )
             yield sse_event(final)
+
+
+def _num_prompt_logprobs(request: CompletionRequest) -> int | None:
+    """How many logprobs per prompt position the engine computes: for `prompt_logprobs`, and
+    for `echo` with `logprobs` (the echoed prompt's)."""
+    asked = [request.prompt_logprobs, request.logprobs if request.echo else None]
+    return max((n for n in asked if n is not None), default=None)
+
+
+def _prompt_logprobs(request: CompletionRequest, output: RequestOutput) -> PromptLogprobs | None:
+    if request.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_of(output.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs)
 
 
 def _scored(completion: CompletionOutput) -> CompletionOutput:
