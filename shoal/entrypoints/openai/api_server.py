@@ -4,7 +4,8 @@
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`
 (503 once the engine is dead), `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`,
 `GET /tokenizer_info` (the tokenizer's configuration, as vLLM's), `GET /version` (with the
-engine core's pid). With `enable_rl_endpoints`, the RL rollout routes of `rl_routes.py` (sleep /
+engine core's pid), `GET /load` (requests in flight, as vLLM's) and `POST /invocations`
+(SageMaker's route, as vLLM serves it: a chat completion or a completion by the body's shape). With `enable_rl_endpoints`, the RL rollout routes of `rl_routes.py` (sleep /
 wake_up, pause / resume). With an API key every route but `/health`,
 `/metrics` and `/version` needs `Authorization: Bearer <key>`.
 """
@@ -20,10 +21,12 @@ import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Path, Request
+from fastapi import APIRouter, Body, FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 import shoal
@@ -48,6 +51,7 @@ from shoal.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ServerLoad,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -67,6 +71,7 @@ logger = logging.getLogger(__name__)
 # Probes and scrapers need no API key.
 OPEN_PATHS = ("/health", "/metrics", "/version")
 _ENGINE_CALL_TIMEOUT_S = 10.0
+RequestT = TypeVar("RequestT", bound=BaseModel)
 _UNWIND_S = 0.1
 
 
@@ -199,6 +204,12 @@ async def version(request: Request) -> dict[str, Any]:
     return {"version": shoal.__version__, "engine_core_pid": getattr(_state(request).engine, "engine_core_pid", None)}
 
 
+@router.get("/load", responses=error_responses(*READ_ERRORS))
+async def load(request: Request) -> ServerLoad:
+    """The requests being answered now (admitted, their responses not yet ended), as vLLM's route."""
+    return ServerLoad(server_load=_state(request).completion.admission.num_requests)
+
+
 @router.get("/v1/models", responses=error_responses(*READ_ERRORS))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_model_card(request)])
@@ -235,6 +246,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     _alive_engine(request)
     return await _state(request).chat.create_chat_completion(body, request)
+
+
+@router.post("/invocations", response_model=None, include_in_schema=False)
+async def invocations(body: Annotated[dict[str, Any], Body()], request: Request) -> Response:
+    """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat
+    completion, one with `prompt` a completion. (Not in the OpenAPI schema: its bodies and
+    answers are those of the two routes.)"""
+    if "messages" in body:
+        return await create_chat_completion(_parsed(ChatCompletionRequest, body), request)
+    if "prompt" in body:
+        return await create_completion(_parsed(CompletionRequest, body), request)
+    raise bad_request("/invocations needs 'messages' (a chat completion) or 'prompt' (a completion)")
+
+
+def _parsed(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 @router.post("/tokenize", responses=error_responses(*TOKENIZER_ERRORS))

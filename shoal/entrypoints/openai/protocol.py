@@ -470,6 +470,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ServerLoad(BaseModel):
+    """`GET /load`: the requests being answered now (vLLM's route and field)."""
+
+    server_load: int
+
+
 class TokenizeRequest(RequestBody):
     """Either `prompt` (text) or `messages` (a conversation, rendered with the chat template):
     exactly one of them (the schema's `oneOf`)."""
