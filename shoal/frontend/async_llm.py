@@ -100,9 +100,9 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = time.time()
-        for child_id, child_params in children:
-            request = self.input_processor.process(child_id, token_ids, child_params, arrival)
-            self._stats.add_request(child_id, arrival, len(token_ids))
+        requests = [self.input_processor.process(child_id, token_ids, p, arrival) for child_id, p in children]
+        self._stats.add_prompt([r.request_id for r in requests], arrival, len(token_ids), requests[0].max_tokens)
+        for request in requests:
             self.engine_core.add_request(request)
         return queue
 
@@ -136,17 +136,17 @@ class AsyncLLM:
                         queue.put_nowait(request_output)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
-                self._report_stats(outputs.scheduler_stats, outputs.outputs)
+                self._report_stats(outputs.scheduler_stats, outputs.outputs, processed.reqs_to_abort)
         except EngineDeadError as exc:
             self._fail_all(exc)
         except Exception as exc:  # a bug here must not leave callers waiting forever
             logger.exception("the output handler failed")
             self._fail_all(EngineDeadError(f"the output handler failed: {exc}"))
 
-    def _report_stats(self, scheduler_stats: SchedulerStats | None, outputs: list) -> None:
+    def _report_stats(self, scheduler_stats: SchedulerStats | None, outputs: list, stopped: list[str]) -> None:
         if not self.log_stats:
             return
-        iteration = self._stats.observe(outputs)
+        iteration = self._stats.observe(outputs, stopped=set(stopped))
         for listener in self._listeners:
             try:
                 listener(scheduler_stats, iteration)

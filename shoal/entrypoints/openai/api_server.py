@@ -109,7 +109,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
     """The app serving `engine`; with `shutdown_engine` the app's shutdown also ends the engine."""
     args = args or ServerArgs()
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-tokenizer")
-    metrics = ServerMetrics(engine.config.model_config.served_model_name)
+    metrics = ServerMetrics(engine.config.model_config.served_model_name, cache_config_info(engine))
     stats_logger = StatsLogger(engine, args.stats_interval_s, metrics)
     engine.add_stats_listener(metrics.on_stats)
     engine.add_stats_listener(stats_logger.on_stats)
@@ -152,6 +152,14 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, open_paths=OPEN_PATHS)  # outermost
     return app
+
+
+def cache_config_info(engine: AsyncLLM) -> dict[str, Any]:
+    """The KV cache's settings and its size in blocks (`shoal:cache_config_info`'s labels, with
+    vLLM's `num_gpu_blocks` for the number of blocks on any device)."""
+    info = dataclasses.asdict(engine.config.cache_config)
+    info["num_gpu_blocks"] = getattr(engine.engine_core, "num_kv_blocks", None)
+    return info
 
 
 def _state(request: Request) -> ServerState:
