@@ -9,6 +9,7 @@ open generator raises `EngineDeadError` and `check_health` fails from then on.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 from shoal.config import EngineArgs, EngineConfig
 from shoal.errors import EngineDeadError
+from shoal.frontend.beam_search import BeamSearch, step_params
 from shoal.frontend.core_client import AsyncInprocClient, AsyncMPClient
 from shoal.frontend.input_processor import PromptType
 from shoal.frontend.llm import profile_directory
@@ -23,9 +25,9 @@ from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.stats import IterationStats, StatsTracker
 from shoal.frontend.verb_methods import async_method, install_verb_methods
-from shoal.outputs import RequestOutput
+from shoal.outputs import PositionLogprobs, RequestOutput
 from shoal.protocol import SchedulerStats
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,40 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
+
+    async def beam_search(
+        self, prompt: PromptType, request_id: str, params: BeamSearchParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Beam search (vLLM's `EngineClient.beam_search`; shoal/frontend/beam_search.py): one
+        `RequestOutput` once the search is over, its completions the `beam_width` best beams,
+        best first. Each round runs the live beams as one-token requests, side by side with
+        every other request; closing the generator aborts the round under way."""
+        self._check_alive()
+        text, token_ids = self.input_processor.tokenize(prompt)
+        self.input_processor.validate_prompt(token_ids)
+        search = BeamSearch(
+            token_ids, params, self.input_processor.stop_token_ids(), self.config.model_config.max_model_len
+        )
+        step = step_params(params)
+        for round_index in itertools.count():
+            if search.done:
+                break
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self._next_token_row(beam, step, f"{request_id}-beam{round_index}-{i}"))
+                    for i, beam in enumerate(search.prompts())
+                ]
+            search.advance([task.result() for task in tasks])
+        yield search.request_output(request_id, text, self.tokenizer)
+
+    async def _next_token_row(self, token_ids: list[int], params: SamplingParams, request_id: str) -> PositionLogprobs:
+        final = None
+        async for output in self.generate(
+            {"prompt_token_ids": token_ids}, params, request_id, output_kind=OutputKind.FINAL_ONLY
+        ):
+            final = output
+        logprobs = final.outputs[0].logprobs if final is not None else None
+        return logprobs[0] if logprobs else {}
 
     def _add_request(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, kind: OutputKind

@@ -28,7 +28,10 @@ from shoal.entrypoints.openai.serving_limits import (
     default_max_num_waiting,
     with_deadline,
 )
-from shoal.sampling_params import SamplingParams
+from shoal.frontend.beam_search import top_completions
+from shoal.frontend.output_processor import OutputKind
+from shoal.outputs import RequestOutput
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from shoal.frontend.async_llm import AsyncLLM
@@ -124,6 +127,31 @@ class OpenAIServing:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def generate(
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        kind: OutputKind,
+        n: int,
+        num_logprobs: int | None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt: sampled, or (`BeamSearchParams`) the best `n`
+        beams in one output, with `num_logprobs` logprobs per position."""
+        if isinstance(params, SamplingParams):
+            return self.engine.generate(prompt, params, request_id, output_kind=kind)
+        return _best_beams(self.engine.beam_search(prompt, request_id, params), n, num_logprobs)
+
+
+async def _best_beams(
+    stream: AsyncIterator[RequestOutput], n: int, num_logprobs: int | None
+) -> AsyncIterator[RequestOutput]:
+    try:
+        async for output in stream:
+            yield top_completions(output, n, num_logprobs)
+    finally:
+        await _aclose(stream)
 
 
 def make_admission(engine: AsyncLLM, limits: ServingLimits) -> Admission:

@@ -53,7 +53,7 @@ from shoal.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from shoal.frontend.chat import render_chat
 from shoal.frontend.output_processor import OutputKind
 from shoal.outputs import CompletionOutput, Logprob, RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 from shoal.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -78,8 +78,13 @@ class _Chat:
     request: ChatCompletionRequest
     request_id: str
     prompt: dict[str, Any]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     tools: ToolPlan
+
+    def generate(self, serving: OpenAIServing, kind: OutputKind) -> AsyncIterator[RequestOutput]:
+        request = self.request
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return serving.generate(self.prompt, self.params, self.request_id, kind, request.n, num_logprobs)
 
     def choice_output(self, reasoning: ReasoningParser | None) -> ChoiceOutput:
         return ChoiceOutput(reasoning, self.tools.parser)
@@ -101,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         deadline = self.deadline()
         chat = await self._prepare(request)
-        ticket = self.admit(request.n)
+        ticket = self.admit(request.num_sequences)
         if request.stream:
             return self.sse_response(self._stream(chat, deadline), ticket)
         result = await self.until_done(raw_request, self._complete(chat, deadline), ticket)
@@ -137,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.max_tokens is not None and request.max_tokens >= self.max_model_len:  # even when overridden
             raise bad_request(f"max_tokens must be below the maximum context length {self.max_model_len}", "max_tokens")
         self.check_prompt(token_ids, max_tokens, "messages")
-        self.kv_cache_fit.check(len(token_ids), request.n, max_tokens)
+        self.kv_cache_fit.check(len(token_ids), request.num_sequences, max_tokens)
         params = request.to_sampling_params(
             max_tokens,
             (request.top_logprobs or 0) if request.logprobs else None,
@@ -146,8 +151,10 @@ class OpenAIServingChat(OpenAIServing):
         if tools.parser is not None and tools.parser.special_tokens:
             params = params.clone(skip_special_tokens=False)  # the parser reads its marker tokens
         await self.check_params(params)
+        room = self.max_model_len - len(token_ids)
+        beam = request.beam_search_params(room if max_tokens is None else max_tokens, structured is not None)
         prompt = {"prompt_token_ids": token_ids, "prompt": text}
-        return _Chat(request, random_id("chatcmpl"), prompt, params, tools)
+        return _Chat(request, random_id("chatcmpl"), prompt, beam or params, tools)
 
     def _after_reasoning(
         self, structured: StructuredOutputsParams | None, prompt: str
@@ -178,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _complete(self, chat: _Chat, deadline: float | None) -> ChatCompletionResponse:
         final: RequestOutput | None = None
-        stream = self.engine.generate(chat.prompt, chat.params, chat.request_id, output_kind=OutputKind.FINAL_ONLY)
+        stream = chat.generate(self, OutputKind.FINAL_ONLY)
         async for _, output in self.bounded(merge_streams([stream]), deadline):
             final = output
         assert final is not None
@@ -226,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
 
         for index in range(request.n):
             yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role=_ASSISTANT, content=""))])
-        stream = self.engine.generate(chat.prompt, chat.params, request_id, output_kind=OutputKind.DELTA)
+        stream = chat.generate(self, OutputKind.DELTA)
         async for _, output in self.bounded(merge_streams([stream]), deadline):
             for completion in output.outputs:
                 num_completion_tokens += len(completion.token_ids)
