@@ -12,8 +12,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from shoal.config import EngineArgs, EngineConfig
 from shoal.errors import EngineDeadError
@@ -31,6 +31,7 @@ from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
 
 
@@ -109,12 +110,11 @@ class AsyncLLM:
         for round_index in itertools.count():
             if search.done:
                 break
-            async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(self._next_token_row(beam, step, f"{request_id}-beam{round_index}-{i}"))
-                    for i, beam in enumerate(search.prompts())
-                ]
-            search.advance([task.result() for task in tasks])
+            rows = [
+                self._next_token_row(beam, step, f"{request_id}-beam{round_index}-{i}")
+                for i, beam in enumerate(search.prompts())
+            ]
+            search.advance(await _all_or_none(rows))
         yield search.request_output(request_id, text, self.tokenizer)
 
     async def _next_token_row(self, token_ids: list[int], params: SamplingParams, request_id: str) -> PositionLogprobs:
@@ -254,3 +254,16 @@ class AsyncLLM:
 
 
 install_verb_methods(AsyncLLM, async_method)
+
+
+async def _all_or_none(coroutines: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Their results; the first error (as it is, not in a group) cancels the others, whose
+    requests abort as they unwind."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

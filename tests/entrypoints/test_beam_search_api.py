@@ -4,6 +4,8 @@ score, streamed the same, and the fields it cannot honour refused with a 400 nam
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -84,3 +86,16 @@ def test_what_beam_search_cannot_honour_is_a_400(server: ServerProcess, body: di
     response = httpx.post(f"{server.url}/v1/completions", json=request, timeout=60)
     assert response.status_code == 400, response.text
     assert named in response.json()["error"]["message"]
+
+
+def test_a_client_gone_mid_search_aborts_its_beams(server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 300, "n": 4, "use_beam_search": True, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=3))
+    server.wait_for_metric("shoal:num_requests_running", 0, timeout_s=60)
+    generated = server.metric("shoal:generation_tokens_total")
+    time.sleep(1.5)  # (a search still going would start its next round meanwhile)
+    assert server.metric("shoal:generation_tokens_total") == generated
+    assert httpx.get(f"{server.url}/load", timeout=30).json()["server_load"] == 0
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
