@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from shoal.logger import configure_logging
 from shoal.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from shoal.frontend.llm import LLM
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 configure_logging()
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",

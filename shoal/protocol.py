@@ -51,7 +51,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
+    num_waiting_reqs: int = 0  # in the waiting queue: held for room in the batch (or a pause)
     kv_cache_usage: float = 0.0
     num_used_blocks: int = 0
     prefix_cache_queries: int = 0  # cumulative, in tokens
@@ -59,6 +59,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # computed this step
     num_generation_tokens: int = 0  # sampled this step
+    # Kept out of the waiting queue until something other than room is ready: in shoal, a
+    # structured-output request whose grammar is being compiled.
+    num_deferred_reqs: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

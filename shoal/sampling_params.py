@@ -10,7 +10,7 @@ import msgspec
 
 from shoal.structured_output.params import StructuredOutputsParams
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["MAX_BEAM_WIDTH", "MAX_LOGPROBS", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
 
 # Below this temperature sampling is greedy (argmax).
 _GREEDY_EPS = 1e-5
@@ -134,3 +134,33 @@ def offset_seed(seed: int, offset: int) -> int:
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{field} {message}")
+
+
+# Each beam asks the engine for its 2 * beam_width most likely next tokens.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+
+
+class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How `LLM.beam_search` searches (vLLM's names; shoal/frontend/beam_search.py).
+
+    `beam_width` beams are kept and returned; a finished beam scores `cum_logprob /
+    num_tokens ** length_penalty` (its generated tokens, eos included, as transformers counts
+    them). `temperature` is accepted as vLLM accepts it: the candidates' logprobs come from the
+    raw logits, so it does not change the search."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"BeamSearchParams.beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature}")
+        if self.length_penalty != self.length_penalty or abs(self.length_penalty) == float("inf"):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a finite number, got {self.length_penalty}")

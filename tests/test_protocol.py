@@ -70,6 +70,7 @@ SCHEDULER_STATS = SchedulerStats(
     num_preemptions=2,
     num_prompt_tokens=30,
     num_generation_tokens=3,
+    num_deferred_reqs=1,
 )
 ENGINE_CORE_OUTPUT = EngineCoreOutput(
     request_id="req-1",

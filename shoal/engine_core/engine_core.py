@@ -282,6 +282,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         return {
             "num_running_reqs": stats.num_running_reqs,
             "num_waiting_reqs": stats.num_waiting_reqs,
+            "num_deferred_reqs": stats.num_deferred_reqs,
             "num_used_blocks": stats.num_used_blocks,
             "num_kv_blocks": self.num_kv_blocks,
             "kv_cache_usage": stats.kv_cache_usage,

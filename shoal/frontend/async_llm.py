@@ -9,13 +9,15 @@ open generator raises `EngineDeadError` and `check_health` fails from then on.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from shoal.config import EngineArgs, EngineConfig
 from shoal.errors import EngineDeadError
+from shoal.frontend.beam_search import BeamSearch, step_params
 from shoal.frontend.core_client import AsyncInprocClient, AsyncMPClient
 from shoal.frontend.input_processor import PromptType
 from shoal.frontend.llm import profile_directory
@@ -23,12 +25,13 @@ from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.stats import IterationStats, StatsTracker
 from shoal.frontend.verb_methods import async_method, install_verb_methods
-from shoal.outputs import RequestOutput
+from shoal.outputs import PositionLogprobs, RequestOutput
 from shoal.protocol import SchedulerStats
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
 
 
@@ -90,6 +93,39 @@ class AsyncLLM:
             if not finished:
                 self._abort(request_id)
 
+    async def beam_search(
+        self, prompt: PromptType, request_id: str, params: BeamSearchParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Beam search (vLLM's `EngineClient.beam_search`; shoal/frontend/beam_search.py): one
+        `RequestOutput` once the search is over, its completions the `beam_width` best beams,
+        best first. Each round runs the live beams as one-token requests, side by side with
+        every other request; closing the generator aborts the round under way."""
+        self._check_alive()
+        text, token_ids = self.input_processor.tokenize(prompt)
+        self.input_processor.validate_prompt(token_ids)
+        search = BeamSearch(
+            token_ids, params, self.input_processor.stop_token_ids(), self.config.model_config.max_model_len
+        )
+        step = step_params(params)
+        for round_index in itertools.count():
+            if search.done:
+                break
+            rows = [
+                self._next_token_row(beam, step, f"{request_id}-beam{round_index}-{i}")
+                for i, beam in enumerate(search.prompts())
+            ]
+            search.advance(await _all_or_none(rows))
+        yield search.request_output(request_id, text, self.tokenizer)
+
+    async def _next_token_row(self, token_ids: list[int], params: SamplingParams, request_id: str) -> PositionLogprobs:
+        final = None
+        async for output in self.generate(
+            {"prompt_token_ids": token_ids}, params, request_id, output_kind=OutputKind.FINAL_ONLY
+        ):
+            final = output
+        logprobs = final.outputs[0].logprobs if final is not None else None
+        return logprobs[0] if logprobs else {}
+
     def _add_request(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, kind: OutputKind
     ) -> asyncio.Queue[RequestOutput | BaseException]:
@@ -100,9 +136,9 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = time.time()
-        for child_id, child_params in children:
-            request = self.input_processor.process(child_id, token_ids, child_params, arrival)
-            self._stats.add_request(child_id, arrival, len(token_ids))
+        requests = [self.input_processor.process(child_id, token_ids, p, arrival) for child_id, p in children]
+        self._stats.add_prompt([r.request_id for r in requests], arrival, len(token_ids), requests[0].max_tokens)
+        for request in requests:
             self.engine_core.add_request(request)
         return queue
 
@@ -136,17 +172,17 @@ class AsyncLLM:
                         queue.put_nowait(request_output)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
-                self._report_stats(outputs.scheduler_stats, outputs.outputs)
+                self._report_stats(outputs.scheduler_stats, outputs.outputs, processed.reqs_to_abort)
         except EngineDeadError as exc:
             self._fail_all(exc)
         except Exception as exc:  # a bug here must not leave callers waiting forever
             logger.exception("the output handler failed")
             self._fail_all(EngineDeadError(f"the output handler failed: {exc}"))
 
-    def _report_stats(self, scheduler_stats: SchedulerStats | None, outputs: list) -> None:
+    def _report_stats(self, scheduler_stats: SchedulerStats | None, outputs: list, stopped: list[str]) -> None:
         if not self.log_stats:
             return
-        iteration = self._stats.observe(outputs)
+        iteration = self._stats.observe(outputs, stopped=set(stopped))
         for listener in self._listeners:
             try:
                 listener(scheduler_stats, iteration)
@@ -218,3 +254,16 @@ class AsyncLLM:
 
 
 install_verb_methods(AsyncLLM, async_method)
+
+
+async def _all_or_none(coroutines: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Their results; the first error (as it is, not in a group) cancels the others, whose
+    requests abort as they unwind."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -28,6 +28,12 @@ class InputProcessor:
         if self.eos_token_id is None and extra:
             self.eos_token_id = extra.pop(0)
 
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end a generation unless `ignore_eos`: the eos and the model's
+        other end-of-sequence tokens (generation_config.json)."""
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        return eos + self.extra_eos_token_ids
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (if it has one) and its token ids."""
         if isinstance(prompt, str):

@@ -19,14 +19,15 @@ from tqdm.auto import tqdm
 from shoal import envs
 from shoal.config import EngineArgs
 from shoal.errors import GenerationHeldError
+from shoal.frontend.beam_search import BeamSearch, BeamSearchOutput, step_params
 from shoal.frontend.chat import Conversation, render_chat
 from shoal.frontend.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from shoal.frontend.input_processor import PromptType
 from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.verb_methods import install_verb_methods, sync_method
-from shoal.outputs import RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.outputs import PositionLogprobs, RequestOutput
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,34 @@ class LLM:
             for c in conversations  # type: ignore[arg-type]
         ]
         return self._run(rendered, _as_params_list(sampling_params, len(rendered)), use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's offline API; shoal/frontend/beam_search.py): per prompt, its
+        `params.beam_width` best beams, best first, each with `tokens` (the prompt's and the
+        generated), `text`, `cum_logprob` and `score`. Every round of the search is one batch
+        of the engine: all live beams of all prompts, one token each."""
+        tokenized = [self.input_processor.tokenize(p) for p in _as_prompt_list(prompts)]
+        for _, token_ids in tokenized:
+            self.input_processor.validate_prompt(token_ids)
+        eos_token_ids = self.input_processor.stop_token_ids()
+        max_model_len = self.config.model_config.max_model_len
+        searches = [BeamSearch(token_ids, params, eos_token_ids, max_model_len) for _, token_ids in tokenized]
+        step = step_params(params)
+        bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True, disable=not use_tqdm)
+        with bar:
+            while live := [search for search in searches if not search.done]:
+                beam_prompts = [(search, beam) for search in live for beam in search.prompts()]
+                outputs = self._run([(None, beam) for _, beam in beam_prompts], [step] * len(beam_prompts), False)
+                rows = iter(_first_row(output) for output in outputs)
+                for search in live:
+                    search.advance([next(rows) for _ in search.live])
+                bar.update(1)
+        return [search.output(self.tokenizer) for search in searches]
 
     def _run(
         self, prompts: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], use_tqdm: bool
@@ -209,6 +238,12 @@ class LLM:
 
 
 install_verb_methods(LLM, sync_method)
+
+
+def _first_row(output: RequestOutput) -> PositionLogprobs:
+    """A one-token request's logprobs row (empty if it was aborted before its token)."""
+    logprobs = output.outputs[0].logprobs
+    return logprobs[0] if logprobs else {}
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from shoal.structured_output.lark import is_lark, lark_to_ebnf
 from shoal.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,11 @@ def choice_regex(choices: list[str]) -> str:
     return "|".join(re.escape(choice) for choice in choices)
 
 
+def grammar_ebnf(spec: str) -> str:
+    """A `grammar` spec as xgrammar reads it: EBNF as given, Lark converted (`lark.py`)."""
+    return lark_to_ebnf(spec) if is_lark(spec) else spec
+
+
 def validate(params: StructuredOutputsParams) -> None:
     """Raise `ValueError` naming the problem when `params`' spec is not a grammar xgrammar can
     build (a schema with an unknown type or a dangling $ref, a bad regex, EBNF without a root)."""
@@ -66,7 +72,7 @@ def _validate_key(key: tuple[str, str, bool]) -> None:
         elif kind == "choice":
             xgr.Grammar.from_regex(choice_regex(json.loads(spec)))
         else:
-            xgr.Grammar.from_ebnf(spec)
+            xgr.Grammar.from_ebnf(grammar_ebnf(spec))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"invalid {_KIND_NAMES[kind]}: {_library_message(exc)}") from exc
 
@@ -144,7 +150,7 @@ class GrammarCompiler:
                 return self._compiler.compile_json_schema(_ANY_OBJECT_SCHEMA, **_json_options(strict_whitespace))
             if kind in ("regex", "choice"):
                 return self._compiler.compile_regex(spec if kind == "regex" else choice_regex(params.choice or []))
-            return self._compiler.compile_grammar(spec)
+            return self._compiler.compile_grammar(grammar_ebnf(spec))
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"invalid {_KIND_NAMES[kind]}: {_library_message(exc)}") from exc
 

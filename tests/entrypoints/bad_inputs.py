@@ -199,6 +199,20 @@ BAD_INPUTS = [
     BadInput("tool_choice of an unknown kind", "POST", CC, _chat(tool_choice="sometimes"), 400, "tool_choice"),
     BadInput("tool_choice without tools", "POST", CC, _chat(tool_choice="required"), 400, "needs tools"),
     BadInput("a tool without a name", "POST", CC, _chat(tools=[{"type": "function", "function": {}}]), 400, "name"),
+    # ---- beam search
+    BadInput("use_beam_search with stop", "POST", C, _completion(use_beam_search=True, stop=["."]), 400, "stop"),
+    BadInput("best_of below n", "POST", C, _completion(use_beam_search=True, n=2, best_of=1), 400, "at least n"),
+    BadInput(
+        "use_beam_search with echo and logprobs",
+        "POST",
+        C,
+        _completion(use_beam_search=True, echo=True, logprobs=1),
+        400,
+        "echo with logprobs",
+    ),
+    BadInput("11 beams", "POST", C, _completion(use_beam_search=True, n=11), 400, "at most 10 beams"),
+    BadInput("best_of without use_beam_search", "POST", C, _completion(best_of=2), 400, "needs use_beam_search"),
+    BadInput("length_penalty without use_beam_search", "POST", CC, _chat(length_penalty=2.0), 400, "needs use_beam"),
     # ---- chat
     BadInput("messages not a list", "POST", CC, {"messages": "hi"}, 400, "messages"),
     BadInput("no messages", "POST", CC, {"messages": []}, 400, "at least 1"),

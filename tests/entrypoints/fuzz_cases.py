@@ -62,6 +62,38 @@ def _fit_sampling(body: dict[str, Any], vocab_size: int) -> None:
             body[name] = min(max(body[name], INT64_MIN), INT64_MAX)
     if body.get("logit_bias"):
         body["logit_bias"] = {k: v for k, v in body["logit_bias"].items() if k.isdigit() and int(k) < vocab_size}
+    _fit_beam_search(body)
+
+
+# What beam search cannot honour (it ranks by the raw logprobs), dropped from a beam-search body.
+_NOT_WITH_BEAMS = (
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "top_p",
+    "top_k",
+    "min_p",
+    *_STRUCTURED_FIELDS,
+)
+
+
+def _fit_beam_search(body: dict[str, Any]) -> None:
+    """best_of and length_penalty only with use_beam_search, best_of at least n; a beam search
+    without the fields it refuses, and with at least one token."""
+    if not body.get("use_beam_search"):
+        body.pop("best_of", None)
+        body.pop("length_penalty", None)
+        return
+    for name in _NOT_WITH_BEAMS:
+        body.pop(name, None)
+    body["min_tokens"] = 0
+    body.pop("echo", None)  # with logprobs: the prompt's, which a beam search does not compute
+    if body.get("best_of") is not None:
+        body["best_of"] = min(max(body["best_of"], body["n"]), MAX_FUZZ_N)
+    body["max_tokens"] = max(body["max_tokens"], 1)
 
 
 def _fit_structured(body: dict[str, Any], name: str) -> None:

@@ -214,3 +214,42 @@ def test_tokenizer_info(server: ServerProcess) -> None:
     info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
     assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
     assert info["tokenizer_class"]
+
+
+# vLLM's tests' SQL grammar, in Lark (as vLLM's clients send `guided_grammar`).
+SQL_LARK = """
+start: select_statement
+select_statement: "SELECT" column "from" table "where" condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""
+
+
+def test_lark_grammars_on_both_routes(client: openai.OpenAI, server: ServerProcess) -> None:
+    import lark
+
+    completion = client.completions.create(
+        model=server.model_name,
+        prompt="Generate an SQL statement that shows col_1 of table_1 where col_2 is 1:",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"guided_grammar": SQL_LARK},
+    )
+    lark.Lark(SQL_LARK).parse(completion.choices[0].text)
+    chat = client.chat.completions.create(
+        model=server.model_name,
+        messages=[{"role": "user", "content": "Write an SQL select statement."}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"structured_outputs": {"grammar": SQL_LARK}},
+    )
+    lark.Lark(SQL_LARK).parse(chat.choices[0].message.content)
+    bad = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 4, "guided_grammar": "start: x\n%declare x"},
+        timeout=60,
+    )
+    assert bad.status_code == 400
+    assert "%declare" in bad.json()["error"]["message"]

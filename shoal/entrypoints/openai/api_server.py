@@ -4,7 +4,8 @@
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`
 (503 once the engine is dead), `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`,
 `GET /tokenizer_info` (the tokenizer's configuration, as vLLM's), `GET /version` (with the
-engine core's pid). With `enable_rl_endpoints`, the RL rollout routes of `rl_routes.py` (sleep /
+engine core's pid), `GET /load` (requests in flight, as vLLM's) and `POST /invocations`
+(SageMaker's route, as vLLM serves it: a chat completion or a completion by the body's shape). With `enable_rl_endpoints`, the RL rollout routes of `rl_routes.py` (sleep /
 wake_up, pause / resume). With an API key every route but `/health`,
 `/metrics` and `/version` needs `Authorization: Bearer <key>`.
 """
@@ -20,10 +21,12 @@ import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from fastapi import APIRouter, FastAPI, Path, Request
+from fastapi import APIRouter, Body, FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 import shoal
@@ -48,6 +51,7 @@ from shoal.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    ServerLoad,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -67,6 +71,7 @@ logger = logging.getLogger(__name__)
 # Probes and scrapers need no API key.
 OPEN_PATHS = ("/health", "/metrics", "/version")
 _ENGINE_CALL_TIMEOUT_S = 10.0
+RequestT = TypeVar("RequestT", bound=BaseModel)
 _UNWIND_S = 0.1
 
 
@@ -104,7 +109,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
     """The app serving `engine`; with `shutdown_engine` the app's shutdown also ends the engine."""
     args = args or ServerArgs()
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-tokenizer")
-    metrics = ServerMetrics(engine.config.model_config.served_model_name)
+    metrics = ServerMetrics(engine.config.model_config.served_model_name, cache_config_info(engine))
     stats_logger = StatsLogger(engine, args.stats_interval_s, metrics)
     engine.add_stats_listener(metrics.on_stats)
     engine.add_stats_listener(stats_logger.on_stats)
@@ -147,6 +152,14 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key, open_paths=OPEN_PATHS)  # outermost
     return app
+
+
+def cache_config_info(engine: AsyncLLM) -> dict[str, Any]:
+    """The KV cache's settings and its size in blocks (`shoal:cache_config_info`'s labels, with
+    vLLM's `num_gpu_blocks` for the number of blocks on any device)."""
+    info = dataclasses.asdict(engine.config.cache_config)
+    info["num_gpu_blocks"] = getattr(engine.engine_core, "num_kv_blocks", None)
+    return info
 
 
 def _state(request: Request) -> ServerState:
@@ -199,6 +212,12 @@ async def version(request: Request) -> dict[str, Any]:
     return {"version": shoal.__version__, "engine_core_pid": getattr(_state(request).engine, "engine_core_pid", None)}
 
 
+@router.get("/load", responses=error_responses(*READ_ERRORS))
+async def load(request: Request) -> ServerLoad:
+    """The requests being answered now (admitted, their responses not yet ended), as vLLM's route."""
+    return ServerLoad(server_load=_state(request).completion.admission.num_requests)
+
+
 @router.get("/v1/models", responses=error_responses(*READ_ERRORS))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_model_card(request)])
@@ -235,6 +254,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     _alive_engine(request)
     return await _state(request).chat.create_chat_completion(body, request)
+
+
+@router.post("/invocations", response_model=None, include_in_schema=False)
+async def invocations(body: Annotated[dict[str, Any], Body()], request: Request) -> Response:
+    """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat
+    completion, one with `prompt` a completion. (Not in the OpenAPI schema: its bodies and
+    answers are those of the two routes.)"""
+    if "messages" in body:
+        return await create_chat_completion(_parsed(ChatCompletionRequest, body), request)
+    if "prompt" in body:
+        return await create_completion(_parsed(CompletionRequest, body), request)
+    raise bad_request("/invocations needs 'messages' (a chat completion) or 'prompt' (a completion)")
+
+
+def _parsed(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 @router.post("/tokenize", responses=error_responses(*TOKENIZER_ERRORS))

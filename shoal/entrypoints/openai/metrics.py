@@ -21,10 +21,18 @@ _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5
 _TOKEN_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _REQUEST_BUCKETS_S = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# Tokens per engine step: a decode step's handful up to a long prefill's budget.
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20, 50, 100)
+# Why a request waits (`num_requests_waiting_by_reason`): for room in the batch (token budget,
+# max_num_seqs, KV blocks; or the end of a pause), or for something else first (its grammar).
+WAITING_REASONS = ("capacity", "deferred")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_config_info: dict[str, Any] | None = None) -> None:
+        """`cache_config_info`: the KV cache's settings, served as the labels of
+        `shoal:cache_config_info` (vLLM's info gauge)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._last_cumulative: dict[str, int] = {}
@@ -70,6 +78,48 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", _TOKEN_COUNT_BUCKETS
         )
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "Time running (prefill and decode).", _REQUEST_BUCKETS_S
+        )
+        self.request_prefill_kv_computed_tokens = histogram(
+            "request_prefill_kv_computed_tokens",
+            "Prompt tokens whose KV was computed (not found in the prefix cache), per request.",
+            _TOKEN_COUNT_BUCKETS,
+        )
+        self.request_params_n = histogram("request_params_n", "The n parameter of each request.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens",
+            "The max_tokens of each request (capped by the context).",
+            _TOKEN_COUNT_BUCKETS,
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Generated tokens of the longest of a request's n completions.",
+            _TOKEN_COUNT_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens per engine step (prompt tokens computed and tokens sampled).",
+            _STEP_TOKEN_BUCKETS,
+        )
+        waiting_by_reason = Gauge(
+            "shoal:num_requests_waiting_by_reason",
+            "Requests waiting, by reason: capacity (room in the batch) or deferred (a grammar being compiled).",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
+        self.num_requests_waiting_by_reason = {
+            reason: waiting_by_reason.labels(model_name, reason) for reason in WAITING_REASONS
+        }
+        if cache_config_info is not None:
+            info = {key: str(value) for key, value in cache_config_info.items()}
+            cache_config = Gauge(
+                "shoal:cache_config_info",
+                "The KV cache's configuration (as labels).",
+                [*labels, *info],
+                registry=self.registry,
+            )
+            cache_config.labels(model_name, *info.values()).set(1)
 
     def on_stats(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
         """The engine's stats listener: called once per batch of outputs."""
@@ -83,8 +133,12 @@ class ServerMetrics:
                     "prefix_cache_queries": scheduler_stats.prefix_cache_queries,
                     "prefix_cache_hits": scheduler_stats.prefix_cache_hits,
                     "num_preemptions": scheduler_stats.num_preemptions,
+                    "num_deferred_reqs": scheduler_stats.num_deferred_reqs,
                 }
             )
+            num_step_tokens = scheduler_stats.num_prompt_tokens + scheduler_stats.num_generation_tokens
+            if num_step_tokens:  # (an idle engine's reports are no steps)
+                self.iteration_tokens.observe(num_step_tokens)
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
@@ -99,13 +153,21 @@ class ServerMetrics:
             self.request_decode_time.observe(finished.decode_time)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
+            self.request_inference_time.observe(finished.inference_time)
+            self.request_prefill_kv_computed_tokens.observe(finished.num_prefill_kv_computed_tokens)
             if finished.num_generation_tokens > 1:
                 self.time_per_output_token.observe(finished.decode_time / (finished.num_generation_tokens - 1))
+        for prompt in iteration_stats.finished_prompts:
+            self.request_params_n.observe(prompt.n)
+            self.request_params_max_tokens.observe(prompt.max_tokens)
+            self.request_max_num_generation_tokens.observe(prompt.max_num_generation_tokens)
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Gauges and cumulative counters from the engine core's counters (`AsyncLLM.get_stats`)."""
         self.num_requests_running.set(stats.get("num_running_reqs", 0))
         self.num_requests_waiting.set(stats.get("num_waiting_reqs", 0))
+        self.num_requests_waiting_by_reason["capacity"].set(stats.get("num_waiting_reqs", 0))
+        self.num_requests_waiting_by_reason["deferred"].set(stats.get("num_deferred_reqs", 0))
         self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
         self.num_used_kv_blocks.set(stats.get("num_used_blocks", 0))
         self._advance(self.prefix_cache_queries.labels(self.model_name), "prefix_cache_queries", stats)

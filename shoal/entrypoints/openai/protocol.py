@@ -19,7 +19,14 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from shoal.entrypoints.openai.json_limits import check_json_value
 from shoal.entrypoints.openai.refused_fields import RefusedChatFields, RefusedCompletionFields, RefusedSamplingFields
-from shoal.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from shoal.sampling_params import (
+    MAX_BEAM_WIDTH,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    BeamSearchParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -258,6 +265,11 @@ class SamplingRequest(RequestBody, RefusedSamplingFields):  # type: ignore[misc,
     # Logprobs name tokens "token_id:<id>" rather than by their text.
     return_tokens_as_token_ids: bool | None = None
     request_id: ClientRequestId | None = None
+    # Beam search (vLLM's fields): `best_of` beams (default `n`) are searched and the best `n`
+    # returned, ordered by score (cumulative logprob / tokens ** length_penalty).
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    best_of: integer(ge=1, le=MAX_N) | None = None  # type: ignore[valid-type]
 
     def to_sampling_params(
         self,
@@ -298,6 +310,57 @@ class SamplingRequest(RequestBody, RefusedSamplingFields):  # type: ignore[misc,
             structured_outputs=structured_outputs,
             **{name: value for name, value in optional.items() if value is not None},
         )
+
+    def beam_search_params(self, max_tokens: int, structured: bool) -> BeamSearchParams | None:
+        """The beam search the request asks for (None: it samples). Raises `ValueError` naming
+        a field that beam search cannot honour (it ranks by the model's raw logprobs, so nothing
+        may reshape them; `structured`: the request has a structured-output constraint)."""
+        if not self.use_beam_search:
+            if self.best_of is not None and self.best_of != self.n:
+                raise ValueError("best_of (other than n) needs use_beam_search: true")
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty needs use_beam_search: true")
+            return None
+        refused = {
+            "stop": bool(self.stop),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "logit_bias": bool(self.logit_bias),
+            "min_tokens": self.min_tokens > 0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "top_p": self.top_p not in (None, 1.0),
+            "top_k": self.top_k not in (None, 0, -1),
+            "min_p": self.min_p not in (None, 0.0),
+            "structured output": structured,
+        }
+        named = [name for name, given in refused.items() if given]
+        if named:
+            raise ValueError(f"{', '.join(named)} cannot be combined with use_beam_search")
+        beam_width = self.n if self.best_of is None else self.best_of
+        if beam_width < self.n:
+            raise ValueError(f"best_of must be at least n ({self.n}) with use_beam_search, got {beam_width}")
+        if beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(
+                f"use_beam_search takes at most {MAX_BEAM_WIDTH} beams (best_of, else n), got {beam_width}"
+            )
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1 with use_beam_search")
+        return BeamSearchParams(
+            beam_width=beam_width,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature or 0.0,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        """The sequences one prompt holds at once: its beams, else its `n` completions."""
+        if self.use_beam_search and self.best_of is not None:
+            return max(self.best_of, self.n)
+        return self.n
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------
@@ -555,6 +618,12 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ServerLoad(BaseModel):
+    """`GET /load`: the requests being answered now (vLLM's route and field)."""
+
+    server_load: int
 
 
 class TokenizeRequest(RequestBody):

@@ -13,9 +13,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, WithJsonSchema, cre
 
 # name -> (what shoal does not do, the values besides null that ask for nothing)
 _SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "use_beam_search": ("beam search", (False,)),
-    "length_penalty": ("beam search's length penalty", (1.0,)),
-    "best_of": ("one completion is generated per choice (use n)", (1,)),
     "bad_words": ("banned word sequences", ([],)),
     "logprob_token_ids": ("logprobs of chosen token ids (use logprobs / top_logprobs)", ([],)),
     "logits_processors": ("custom logits processors", ([],)),

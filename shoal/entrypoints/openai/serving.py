@@ -29,8 +29,10 @@ from shoal.entrypoints.openai.serving_limits import (
     default_max_num_waiting,
     with_deadline,
 )
-from shoal.outputs import PositionLogprobs
-from shoal.sampling_params import SamplingParams
+from shoal.frontend.beam_search import top_completions
+from shoal.frontend.output_processor import OutputKind
+from shoal.outputs import PositionLogprobs, RequestOutput
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from shoal.frontend.async_llm import AsyncLLM
@@ -147,6 +149,21 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return decoded if decoded is not None else self.decode_token(token_id)
 
+    def generate(
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        kind: OutputKind,
+        n: int,
+        num_logprobs: int | None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt: sampled, or (`BeamSearchParams`) the best `n`
+        beams in one output, with `num_logprobs` logprobs per position."""
+        if isinstance(params, SamplingParams):
+            return self.engine.generate(prompt, params, request_id, output_kind=kind)
+        return _best_beams(self.engine.beam_search(prompt, request_id, params), n, num_logprobs)
+
 
 def check_stream_fields(request: SamplingRequest) -> None:
     """The fields that need (or refuse) `stream: true`, as OpenAI and vLLM answer them."""
@@ -180,6 +197,16 @@ def prompt_logprobs_of(
         }
         for token_id, row in zip(prompt_token_ids, rows)
     ]
+
+
+async def _best_beams(
+    stream: AsyncIterator[RequestOutput], n: int, num_logprobs: int | None
+) -> AsyncIterator[RequestOutput]:
+    try:
+        async for output in stream:
+            yield top_completions(output, n, num_logprobs)
+    finally:
+        await _aclose(stream)
 
 
 def make_admission(engine: AsyncLLM, limits: ServingLimits) -> Admission:

@@ -67,7 +67,7 @@ from shoal.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from shoal.frontend.chat import render_chat, template_message
 from shoal.frontend.output_processor import OutputKind
 from shoal.outputs import CompletionOutput, Logprob, RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from shoal.frontend.async_llm import AsyncLLM
@@ -93,12 +93,17 @@ class _Chat:
     request: ChatCompletionRequest
     request_id: str
     prompt: dict[str, Any]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     tools: ToolPlan
     reasoning: ReasoningParser | None  # None: the whole output is the answer
     # The answer's role, and (with echo) the text its content starts with.
     role: str = _ASSISTANT
     echo: str | None = None
+
+    def generate(self, serving: OpenAIServing, kind: OutputKind) -> AsyncIterator[RequestOutput]:
+        request = self.request
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return serving.generate(self.prompt, self.params, self.request_id, kind, request.n, num_logprobs)
 
     def choice_output(self) -> ChoiceOutput:
         return ChoiceOutput(self.reasoning, self.tools.parser)
@@ -131,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         deadline = self.deadline()
         chat = await self._prepare(request)
-        ticket = self.admit(request.n)
+        ticket = self.admit(request.num_sequences)
         if request.stream:
             return self.sse_response(self._stream(chat, deadline), ticket)
         result = await self.until_done(raw_request, self._complete(chat, deadline), ticket)
@@ -172,7 +177,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(f"max_tokens must be below the maximum context length {self.max_model_len}", "max_tokens")
         kept = self.truncated(token_ids, request, max_tokens)
         self.check_prompt(kept, max_tokens, "messages")
-        self.kv_cache_fit.check(len(kept), request.n, max_tokens)
+        self.kv_cache_fit.check(len(kept), request.num_sequences, max_tokens)
         reasoning = self._reasoning_after(text)
         if reasoning is not None and structured is not None:
             assert self.thinking_tokens is not None
@@ -186,10 +191,12 @@ class OpenAIServingChat(OpenAIServing):
         if tools.parser is not None and tools.parser.special_tokens:
             params = params.clone(skip_special_tokens=False)  # the parser reads its marker tokens
         await self.check_params(params)
+        room = self.max_model_len - len(kept)
+        beam = request.beam_search_params(room if max_tokens is None else max_tokens, structured is not None)
         prompt = {"prompt_token_ids": kept, "prompt": text if kept is token_ids else None}
         role = _ASSISTANT if add_generation_prompt else request.messages[-1].role
         echo = _echoed(request, role)
-        return _Chat(request, response_id("chatcmpl", request), prompt, params, tools, reasoning, role, echo)
+        return _Chat(request, response_id("chatcmpl", request), prompt, beam or params, tools, reasoning, role, echo)
 
     def _reasoning_after(self, prompt: str) -> ReasoningParser | None:
         """The reasoning parser, where the model may think after `prompt`."""
@@ -220,7 +227,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _complete(self, chat: _Chat, deadline: float | None) -> ChatCompletionResponse:
         final: RequestOutput | None = None
-        stream = self.engine.generate(chat.prompt, chat.params, chat.request_id, output_kind=OutputKind.FINAL_ONLY)
+        stream = chat.generate(self, OutputKind.FINAL_ONLY)
         async for _, output in self.bounded(merge_streams([stream]), deadline):
             final = output
         assert final is not None
@@ -287,7 +294,7 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             first = DeltaMessage(role=chat.role, content=chat.echo or "")
             yield chunk([ChatCompletionStreamChoice(index=index, delta=first)], prompt_token_ids)
-        stream = self.engine.generate(chat.prompt, chat.params, request_id, output_kind=OutputKind.DELTA)
+        stream = chat.generate(self, OutputKind.DELTA)
         async for _, output in self.bounded(merge_streams([stream]), deadline):
             for completion in output.outputs:
                 num_completion_tokens += len(completion.token_ids)

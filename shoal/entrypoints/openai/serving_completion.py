@@ -46,7 +46,7 @@ from shoal.entrypoints.openai.serving import (
 )
 from shoal.frontend.output_processor import OutputKind
 from shoal.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 TokenizedPrompt = tuple[str | None, list[int]]
 
@@ -59,21 +59,28 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self._truncated(p, request) for p in await self._tokenize_prompts(request)]
         for _, token_ids in prompts:
             self.check_prompt(token_ids, request.max_tokens, "prompt")
-            self.kv_cache_fit.check(len(token_ids), request.n, request.max_tokens)
+            self.kv_cache_fit.check(len(token_ids), request.num_sequences, request.max_tokens)
         # Scoring (max_tokens 0): the engine samples one token after the prompt, dropped in _scored.
         max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
+        structured = structured_outputs_of(request)
         params = request.to_sampling_params(
             max_tokens,
             request.logprobs,
             prompt_logprobs=_num_prompt_logprobs(request),
-            structured_outputs=structured_outputs_of(request),
+            structured_outputs=structured,
         )
         await self.check_params(params)
-        ticket = self.admit(len(prompts) * request.n)
+        max_new_tokens = self.max_model_len if request.max_tokens is None else request.max_tokens
+        engine_params = request.beam_search_params(max_new_tokens, structured is not None) or params
+        if isinstance(engine_params, BeamSearchParams) and params.prompt_logprobs is not None:
+            raise bad_request(
+                "prompt logprobs (echo with logprobs, prompt_logprobs) cannot be combined with use_beam_search", "echo"
+            )
+        ticket = self.admit(len(prompts) * request.num_sequences)
         request_id = response_id("cmpl", request)
         if request.stream:
-            return self.sse_response(self._stream(request, request_id, prompts, params, deadline), ticket)
-        work = self._complete(request, request_id, prompts, params, deadline)
+            return self.sse_response(self._stream(request, request_id, prompts, engine_params, deadline), ticket)
+        work = self._complete(request, request_id, prompts, engine_params, deadline)
         result = await self.until_done(raw_request, work, ticket)
         return result if isinstance(result, Response) else JSONResponse(result.model_dump())
 
@@ -104,11 +111,21 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
 
     def _generate_all(
-        self, request_id: str, prompts: list[TokenizedPrompt], params: SamplingParams, kind: OutputKind
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[TokenizedPrompt],
+        params: SamplingParams | BeamSearchParams,
+        kind: OutputKind,
     ) -> list[AsyncIterator[RequestOutput]]:
         return [
-            self.engine.generate(
-                {"prompt_token_ids": token_ids, "prompt": text}, params, f"{request_id}-{i}", output_kind=kind
+            self.generate(
+                {"prompt_token_ids": token_ids, "prompt": text},
+                params,
+                f"{request_id}-{i}",
+                kind,
+                request.n,
+                request.logprobs,
             )
             for i, (text, token_ids) in enumerate(prompts)
         ]
@@ -120,11 +137,11 @@ class OpenAIServingCompletion(OpenAIServing):
         request: CompletionRequest,
         request_id: str,
         prompts: list[TokenizedPrompt],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         deadline: float | None,
     ) -> CompletionResponse:
         final: dict[int, RequestOutput] = {}
-        streams = self._generate_all(request_id, prompts, params, OutputKind.FINAL_ONLY)
+        streams = self._generate_all(request, request_id, prompts, params, OutputKind.FINAL_ONLY)
         async for i, output in self.bounded(merge_streams(streams), deadline):
             final[i] = output
         choices = []
@@ -215,7 +232,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request: CompletionRequest,
         request_id: str,
         prompts: list[TokenizedPrompt],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         deadline: float | None,
     ) -> AsyncIterator[str]:
         created = now()
@@ -225,7 +242,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt_tokens = sum(len(token_ids) for _, token_ids in prompts)
         num_completion_tokens = 0
         options = request.stream_options
-        streams = self._generate_all(request_id, prompts, params, OutputKind.DELTA)
+        streams = self._generate_all(request, request_id, prompts, params, OutputKind.DELTA)
         async for i, output in self.bounded(merge_streams(streams), deadline):
             for completion in output.outputs:
                 completion = _scored(completion) if request.max_tokens == 0 else completion

@@ -46,12 +46,15 @@ def default_max_num_waiting(num_kv_blocks: int, block_size: int, max_model_len: 
 
 
 class Admission:
-    """Counts the sequences the server holds; `admit` refuses past the limit with a 429."""
+    """Counts the sequences (and requests) the server holds; `admit` refuses past the limit
+    with a 429."""
 
     def __init__(self, max_num_running: int, max_num_waiting: int) -> None:
         self.max_num_running = max_num_running
         self.max_num_waiting = max_num_waiting
         self.num_seqs = 0
+        # Admitted requests whose responses have not ended (`GET /load`).
+        self.num_requests = 0
 
     @property
     def num_waiting(self) -> int:
@@ -61,6 +64,7 @@ class Admission:
         if self.num_seqs + num_seqs > self.max_num_running + self.max_num_waiting:
             raise too_many_waiting(self.max_num_waiting, RETRY_AFTER_S)
         self.num_seqs += num_seqs
+        self.num_requests += 1
         return Ticket(self, num_seqs)
 
 
@@ -70,10 +74,13 @@ class Ticket:
     def __init__(self, admission: Admission, num_seqs: int) -> None:
         self._admission = admission
         self._num_seqs = num_seqs
+        self._held = True
 
     def release(self) -> None:
-        self._admission.num_seqs -= self._num_seqs
-        self._num_seqs = 0
+        if self._held:
+            self._admission.num_seqs -= self._num_seqs
+            self._admission.num_requests -= 1
+            self._held = False
 
 
 class KVCacheFit:
