@@ -22,9 +22,31 @@ from __future__ import annotations
 
 import numpy as np
 
+from shoal.spec_decode.proposer import Drafts, Proposer, ProposerInputs
+
 # Tokens (rows x columns) one chunk of rows may copy and compare at once: bounds the temporary
 # arrays at a few tens of MB whatever max_model_len is.
 CHUNK_TOKENS = 1 << 22
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup over each request's row of the input batch (no model, no device work)."""
+
+    method = "ngram"
+
+    def propose(self, inputs: ProposerInputs) -> Drafts:
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        assert low is not None and high is not None  # filled in by SpeculativeConfig
+        token_ids, num_draft_tokens = propose_ngram_drafts(
+            inputs.token_ids,
+            inputs.slots,
+            inputs.num_tokens,
+            self.num_speculative_tokens,
+            low,
+            high,
+            inputs.max_num_drafts,
+        )
+        return Drafts(token_ids=token_ids, num_draft_tokens=num_draft_tokens)
 
 
 def propose_ngram_drafts(
