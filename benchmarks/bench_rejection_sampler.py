@@ -3,7 +3,9 @@ k drafts a request (k + 1 logits rows), Llama-3's vocabulary, greedy, plain temp
 top-p batches. Each figure is the wall time of one call, launches and host work included (what
 a step pays; neither sampler runs inside a CUDA graph), the median of a few rounds of 50 calls.
 
-    python3 benchmarks/bench_rejection_sampler.py [--output rejection_sampler.json]
+    python3 benchmarks/bench_rejection_sampler.py [--output rejection_sampler.json] [--profile]
+
+--profile also prints the torch profiler's busiest operations of one request's verification.
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ def time_case(num_reqs: int, mode: str, device: torch.device) -> dict:
     }
 
 
+def profile_one_request(mode: str, device: torch.device) -> None:
+    states = [RequestState("0", 0, 1, MODES[mode], None, None)]
+    layout = DraftLayout.of([K])
+    logits = torch.randn(layout.num_rows, VOCAB, device=device, dtype=torch.bfloat16)
+    draft_ids = torch.tensor([1, 2, 3], device=device)
+    md = verification_sampling_metadata(states, [[1, 2, 3]], VOCAB, device)
+    rejection = RejectionSampler(K)
+    for _ in range(5):
+        rejection(logits, layout, draft_ids, None, md)
+    torch.cuda.synchronize()
+    with torch.profiler.profile() as prof:
+        for _ in range(20):
+            rejection(logits, layout, draft_ids, None, md)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
 def check_against_cpu(device: torch.device) -> None:
     """Greedy chains on the GPU equal the CPU's (the same logits, bf16 -> float32 exact)."""
     torch.manual_seed(0)
@@ -91,6 +110,7 @@ def check_against_cpu(device: torch.device) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     check_against_cpu(device)
@@ -106,6 +126,8 @@ def main() -> None:
             )
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1))
+    if args.profile:
+        profile_one_request("temperature", device)
 
 
 if __name__ == "__main__":
