@@ -106,6 +106,7 @@ class RejectionSampler(torch.nn.Module):
         `metadata` by row (`verification_sampling_metadata`)."""
         self._check_shapes(logits, layout, draft_token_ids, draft_probs)
         index = _DeviceIndex(layout, logits.device)
+        draft_token_ids = draft_token_ids.long()  # gathers and scatters index with int64
         if metadata.token_bitmask is not None:
             logits = apply_token_bitmask(logits, metadata.token_bitmask, metadata.bitmask_rows)
         logits = logits.float()  # [num_rows, vocab]

@@ -47,7 +47,7 @@ def verify(
 ) -> RejectionSamplerOutput:
     layout = DraftLayout.of([len(d) for d in drafts])
     md = verification_sampling_metadata(states, drafts, logits.shape[-1], CPU)
-    flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64)
+    flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int32)  # as a device buffer may hold them
     return RejectionSampler(k, accept_all)(logits, layout, flat, draft_probs, md)
 
 
