@@ -219,14 +219,7 @@ class Sampler(torch.nn.Module):
             return SamplerOutput(sampled_token_ids=sampled)
         logits = logits.float()  # [num_rows, vocab_size]
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs >= 0 else None
-        logits = apply_penalties(logits, metadata)
-        if metadata.logit_bias is not None:
-            rows, token_ids, biases = metadata.logit_bias
-            logits = logits.index_put((rows, token_ids), biases, accumulate=True)
-        if metadata.allowed_token_ids is not None:
-            logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids)
-        for row, banned in metadata.min_tokens_mask:
-            logits[row, banned] = -float("inf")
+        logits = processed_logits(logits, metadata)
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -235,7 +228,7 @@ class Sampler(torch.nn.Module):
                 sampled = torch.where(metadata.greedy, logits.argmax(dim=-1), sampled)
         output = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
-            _gather_logprobs(output, raw_logprobs, sampled, metadata.max_num_logprobs)
+            gather_logprobs(output, raw_logprobs, sampled, metadata.max_num_logprobs)
         return output
 
     @staticmethod
@@ -256,6 +249,20 @@ class Sampler(torch.nn.Module):
         if md.any_greedy:  # bf16 -> float32 is exact, so this argmax is the general path's
             sampled = torch.where(md.greedy, logits.argmax(dim=-1), sampled)
         return sampled
+
+
+def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Float32 logits after penalties, logit_bias, allowed_token_ids and min_tokens: what greedy rows take the
+    argmax of and `processed_probs` starts from (min_tokens writes in place)."""
+    logits = apply_penalties(logits, md)
+    if md.logit_bias is not None:
+        rows, token_ids, biases = md.logit_bias
+        logits = logits.index_put((rows, token_ids), biases, accumulate=True)
+    if md.allowed_token_ids is not None:
+        logits = apply_allowed_token_ids(logits, md.allowed_token_ids)
+    for row, banned in md.min_tokens_mask:
+        logits[row, banned] = -float("inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -318,7 +325,8 @@ def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator
     return probs.div(q).argmax(dim=-1)
 
 
-def _gather_logprobs(output: SamplerOutput, raw_logprobs: torch.Tensor, sampled: torch.Tensor, n: int) -> None:
+def gather_logprobs(output: SamplerOutput, raw_logprobs: torch.Tensor, sampled: torch.Tensor, n: int) -> None:
+    """Fill `output`'s logprob fields: each row's `sampled` token, its top `n`, its rank."""
     sampled_lp = raw_logprobs.gather(-1, sampled[:, None])  # [num_rows, 1]
     output.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
     top_lp, top_ids = raw_logprobs.topk(n, dim=-1) if n > 0 else (sampled_lp[:, :0], sampled[:, None][:, :0])
