@@ -429,7 +429,7 @@ class Scheduler(AdmissionControl):
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            num_deferred_reqs=len(self.waiting_for_grammar),
+            num_deferred_reqs=len(self.structured_output.compiling) if self.structured_output else 0,
             kv_cache_usage=kv.usage(),
             num_used_blocks=kv.block_pool.num_used_blocks,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
