@@ -76,6 +76,8 @@ _NOT_WITH_BEAMS = (
     "top_p",
     "top_k",
     "min_p",
+    "allowed_token_ids",
+    "prompt_logprobs",
     *_STRUCTURED_FIELDS,
 )
 

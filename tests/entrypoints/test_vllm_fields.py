@@ -398,7 +398,6 @@ def test_request_id_names_the_response(client: openai.OpenAI, server: ServerProc
 @pytest.mark.parametrize(
     ("route", "field", "value"),
     [
-        ("completions", "best_of", 2),
         ("completions", "suffix", "!"),
         ("completions", "bad_words", ["Paris"]),
         ("completions", "priority", 1),

@@ -38,7 +38,7 @@ else
   echo "tests/gpu/test_gpu_demo_model.py: not run (its GGUF is not staged: tests/gpu/stage_demo_model.sh)"
 fi
 left_s=$(( SHOAL_GPU_DEADLINE + 100 - $(date +%s) ))
-timeout -k 10 "$left_s" python3 -m pytest -m gpu -p tests.gpu.resume -p no:cacheprovider -q -rfE \
+timeout -k 10 "$left_s" python3 -m pytest -m gpu -p tests.gpu.resume -p no:cacheprovider -q -rfE --continue-on-collection-errors \
   --junitxml="$OUT/junit-gpu.xml" "${demo[@]}" tests > "$OUT/pytest-gpu.log" 2>&1
 echo "pytest rc=$?"
 cp "$SHOAL_GPU_STATE" "$OUT/gpu_state.json"

@@ -332,6 +332,8 @@ class SamplingRequest(RequestBody, RefusedSamplingFields):  # type: ignore[misc,
             "top_p": self.top_p not in (None, 1.0),
             "top_k": self.top_k not in (None, 0, -1),
             "min_p": self.min_p not in (None, 0.0),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
             "structured output": structured,
         }
         named = [name for name, given in refused.items() if given]

@@ -193,6 +193,11 @@ class OpenAIServingChat(OpenAIServing):
         await self.check_params(params)
         room = self.max_model_len - len(kept)
         beam = request.beam_search_params(room if max_tokens is None else max_tokens, structured is not None)
+        if beam is not None and params.prompt_logprobs is not None:
+            raise bad_request(
+                "prompt logprobs (prompt_logprobs, echo with logprobs) cannot be combined with use_beam_search",
+                "prompt_logprobs",
+            )
         prompt = {"prompt_token_ids": kept, "prompt": text if kept is token_ids else None}
         role = _ASSISTANT if add_generation_prompt else request.messages[-1].role
         echo = _echoed(request, role)
@@ -254,7 +259,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         num_completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         prompt_logprobs = None
-        if chat.params.prompt_logprobs is not None:
+        if isinstance(chat.params, SamplingParams) and chat.params.prompt_logprobs is not None:
             num_top = chat.params.prompt_logprobs
             prompt_logprobs = prompt_logprobs_of(final.prompt_token_ids, final.prompt_logprobs, num_top)
         return ChatCompletionResponse(
