@@ -7,6 +7,7 @@ stays bounded in time."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -60,6 +61,9 @@ def _fit_sampling(body: dict[str, Any], vocab_size: int) -> None:
     for name in _INT64_FIELDS:
         if isinstance(body.get(name), int):
             body[name] = min(max(body[name], INT64_MIN), INT64_MAX)
+    if body.get("request_id") is not None:
+        # Unique: a request id still in use (the last case's, while its abort is on its way) is a 400.
+        body["request_id"] = f"{str(body['request_id'])[:90]}-{uuid.uuid4().hex}"
     if body.get("logit_bias"):
         body["logit_bias"] = {k: v for k, v in body["logit_bias"].items() if k.isdigit() and int(k) < vocab_size}
     _fit_beam_search(body)

@@ -67,7 +67,9 @@ def run_all_phases(schema: Any) -> tuple[list[str], dict[str, collections.Counte
                 for check in checks:
                     checks_run.add(check.name)
                     if check.failure_info is not None:
-                        failures.append(f"{event.label}: {check.name}: {check.failure_info.failure}")
+                        info = check.failure_info
+                        reproduce = getattr(info, "code_sample", "")  # the request, as a curl command
+                        failures.append(f"{event.label}: {check.name}: {info.failure}\n{reproduce}")
             for interaction in event.recorder.interactions.values():
                 if interaction.response is not None:
                     statuses[event.label or ""][interaction.response.status_code] += 1
