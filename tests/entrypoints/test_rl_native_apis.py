@@ -294,6 +294,9 @@ def test_trl_async_grpo_client(native_server: ServerProcess, http: httpx.Client,
     """TRL's async GRPO client drives pause, the four-phase weight transfer and resume; the
     trainer's broadcast is shoal's `WeightSender` (in TRL's place, vLLM's NCCL trainer)."""
     vllm_client = pytest.importorskip("trl.experimental.async_grpo.vllm_client")
+    from accelerate import PartialState
+
+    PartialState()  # as TRL's trainer has: the client logs through accelerate
     client = vllm_client.VLLMClient(native_server.url, server_timeout=30)
     client.wait_for_server_ready(poll_interval_s=0.2)
     assert client.get_world_size() == 1
