@@ -207,10 +207,7 @@ def is_sleeping() -> bool:
     """True while any part dropped by `sleep` is still asleep."""
 
 
-@verb(
-    frontend="shoal.frontend.memory_occupation:release_calls",
-    routes=_both_methods("/release_memory_occupation", _DONE, rewrite=f"{_SGLANG}:memory_tags"),
-)
+@verb(routes=_both_methods("/release_memory_occupation", _DONE, rewrite=f"{_SGLANG}:memory_tags"))
 def release_memory_occupation(tags: list[str] | None = None) -> None:
     """SGLang's spelling of `sleep`: release the parts in `tags` ("weights", "kv_cache"; SGLang's
     "cuda_graph" has nothing to release here, graphs are captured again), all of them by

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.frontend.memory_occupation import SGLANG_TAGS
+from shoal.engine_core.generation_control import SGLANG_MEMORY_TAGS as SGLANG_TAGS
 
 # SGLang's pause modes as shoal's: "retract" recomputes the kept requests' KV cache after the
 # resume, "in_place" keeps it.
