@@ -63,13 +63,17 @@ class Route:
     the query string (a list parameter repeated or comma-separated there); `aliases` names other
     spellings of a field (`{"model_path": "path"}`), `defaults` the route's own defaults of
     parameters the signature requires. `answer` is the JSON answer: constants, `RESULT`,
-    `Query(...)`."""
+    `Query(...)`. `rewrite` ("module:function", run in the server) turns another framework's
+    fields into the verb's before they are read (SGLang's `flush_cache` into
+    `reset_prefix_cache`, say), raising ValueError for a value shoal cannot honour; a route's
+    `abort_all_requests` field (SGLang's) aborts every request before the call."""
 
     method: Literal["GET", "POST"]
     path: str
     answer: Mapping[str, Any]
     aliases: Mapping[str, str] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    rewrite: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,23 @@ def sleep(level: int = 1) -> None:
     (recomputed). `LLM.generate` raises `GenerationHeldError` until then."""
 
 
-@verb(worker="sleeper.wake_up", routes=(Route("POST", "/wake_up", {"is_sleeping": Query("is_sleeping")}),))
+# The answers of SGLang's spellings (shoal/entrypoints/openai/rl_spellings.py rewrites their fields).
+_SGLANG = "shoal.entrypoints.openai.rl_spellings"
+_DONE = {"success": True, "message": "Success."}
+
+
+def _both_methods(path: str, answer: Mapping[str, Any], rewrite: str | None = None) -> tuple[Route, Route]:
+    """SGLang serves some control routes on GET and POST alike."""
+    return Route("POST", path, answer, rewrite=rewrite), Route("GET", path, answer, rewrite=rewrite)
+
+
+@verb(
+    worker="sleeper.wake_up",
+    routes=(
+        Route("POST", "/wake_up", {"is_sleeping": Query("is_sleeping")}),
+        *_both_methods("/resume_memory_occupation", _DONE, rewrite=f"{_SGLANG}:resume_tags"),
+    ),
+)
 def wake_up(tags: list[str] | None = None) -> None:
     """Restore what `sleep` freed: everything, or the parts in `tags` ("weights", "kv_cache"),
     e.g. the weights first to update them before the KV cache comes back."""
@@ -187,10 +207,29 @@ def is_sleeping() -> bool:
     """True while any part dropped by `sleep` is still asleep."""
 
 
+@verb(routes=_both_methods("/release_memory_occupation", _DONE, rewrite=f"{_SGLANG}:memory_tags"))
+def release_memory_occupation(tags: list[str] | None = None) -> None:
+    """SGLang's spelling of `sleep`: release the parts in `tags` ("weights", "kv_cache"; SGLang's
+    "cuda_graph" has nothing to release here, graphs are captured again), all of them by
+    default. It is `sleep(level=1)` (the weights keep a host copy), then a `wake_up` of the
+    parts not named."""
+
+
 # ---- pause and resume (engine_core/generation_control.py) ---------------------------------------
 
 
-@verb(settles=True, routes=(Route("POST", "/pause", {"is_paused": True}),))
+@verb(
+    settles=True,
+    routes=(
+        Route("POST", "/pause", {"is_paused": True}),
+        Route(
+            "POST",
+            "/pause_generation",
+            {"message": "Generation paused successfully.", "status": "ok"},
+            rewrite=f"{_SGLANG}:pause_mode",
+        ),
+    ),
+)
 def pause_generation(mode: str = "abort", clear_cache: bool = True) -> None:
     """Hold generation until `resume_generation`; requests that arrive meanwhile wait.
 
@@ -204,7 +243,12 @@ def pause_generation(mode: str = "abort", clear_cache: bool = True) -> None:
     paused.)"""
 
 
-@verb(routes=(Route("POST", "/resume", {"is_paused": False}),))
+@verb(
+    routes=(
+        Route("POST", "/resume", {"is_paused": False}),
+        Route("POST", "/continue_generation", {"message": "Generation continued successfully.", "status": "ok"}),
+    )
+)
 def resume_generation() -> None:
     """Generate again: kept requests continue, waiting ones start (unless asleep)."""
 
@@ -229,7 +273,15 @@ _UPDATED = {"success": True, "weight_version": RESULT}
 
 @verb(
     worker="weight_updates.from_disk",
-    routes=(Route("POST", "/update_weights_from_disk", _UPDATED, aliases={"model_path": "path"}),),
+    routes=(
+        Route(
+            "POST",
+            "/update_weights_from_disk",
+            _UPDATED,
+            aliases={"model_path": "path"},
+            rewrite=f"{_SGLANG}:weight_update",
+        ),
+    ),
 )
 def update_weights_from_disk(path: str, weight_version: str | None = None, reset_prefix_cache: bool = True) -> str:
     """Load new weights from a safetensors folder (Hugging Face names, any float dtype) and
@@ -257,17 +309,36 @@ def check_weights(metas: list[list[Any]]) -> None:
 
 @verb(
     worker="weight_updates.init_group",
-    routes=(Route("POST", "/init_weight_update_group", {"success": True}, defaults={"rank_offset": 1}),),
+    routes=(
+        Route("POST", "/init_weight_update_group", {"success": True}, defaults={"rank_offset": 1}),
+        Route(
+            "POST",
+            "/init_weights_update_group",
+            _DONE,
+            defaults={"rank_offset": 1},
+            rewrite=f"{_SGLANG}:weights_update_group",
+        ),
+    ),
 )
 def init_weight_update_group(
-    master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    backend: str | None = None,
+    group_name: str | None = None,
 ) -> None:
     """Join a trainer's weight-update group (rank 0: its `shoal.rl.WeightSender`, built at
     the same time); this engine's workers are ranks `rank_offset` on. `backend`: "gloo",
-    "nccl", or None for gloo on a CPU and NCCL on a GPU."""
+    "nccl", or None for gloo on a CPU and NCCL on a GPU. With `group_name`, the group is the
+    torch process group of that name that SGLang's trainers build (`init_custom_process_group`
+    in SGLang, AReaL, slime), and each tensor of an update comes in a broadcast of its own."""
 
 
-@verb(worker="weight_updates.from_distributed", routes=(Route("POST", "/update_weights_from_distributed", _UPDATED),))
+@verb(
+    worker="weight_updates.from_distributed",
+    routes=(Route("POST", "/update_weights_from_distributed", _UPDATED, rewrite=f"{_SGLANG}:weight_update"),),
+)
 def update_weights_from_distributed(
     names: list[str],
     dtypes: list[str],
@@ -281,11 +352,36 @@ def update_weights_from_distributed(
     weight version."""
 
 
-@verb(worker="weight_updates.destroy_group", routes=(Route("POST", "/destroy_weight_update_group", {"success": True}),))
+@verb(
+    worker="weight_updates.destroy_group",
+    routes=(
+        Route("POST", "/destroy_weight_update_group", {"success": True}),
+        Route("POST", "/destroy_weights_update_group", _DONE),
+    ),
+)
 def destroy_weight_update_group() -> None:
     """Leave the weight-update group."""
 
 
-@verb(routes=(Route("GET", "/weight_version", {"weight_version": RESULT}),))
+@verb(
+    routes=(
+        Route("GET", "/weight_version", {"weight_version": RESULT}),
+        Route("GET", "/get_weight_version", {"weight_version": RESULT}),
+    )
+)
 def get_weight_version() -> str:
     """The version of the weights the engine runs now ("0" until the first update)."""
+
+
+@verb(
+    routes=(
+        Route(
+            "POST",
+            "/update_weight_version",
+            {"success": True, "message": "Weight version updated.", "new_version": RESULT},
+        ),
+    )
+)
+def update_weight_version(new_version: str) -> str:
+    """Rename the version of the weights the engine runs now, without changing them (SGLang's
+    `/update_weight_version`): later tokens carry `new_version`."""

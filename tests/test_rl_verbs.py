@@ -105,9 +105,11 @@ def test_a_worker_extension_may_not_take_a_verbs_name() -> None:
 def test_the_built_in_verbs_are_documented_and_implemented(tiny_llama: str) -> None:
     from shoal.engine_core.engine_core import EngineCore
 
-    expected = ["sleep", "wake_up", "is_sleeping", "pause_generation", "resume_generation", "is_paused"]
+    expected = ["sleep", "wake_up", "is_sleeping", "release_memory_occupation"]
+    expected += ["pause_generation", "resume_generation", "is_paused"]
     expected += ["update_weights_from_disk", "update_weights_from_tensors", "init_weight_update_group"]
     expected += ["update_weights_from_distributed", "destroy_weight_update_group", "get_weight_version"]
+    expected += ["update_weight_version"]
     public = [verb.name for verb in rl_verbs.declared() if verb.public]
     assert public == expected
     assert str(inspect.signature(LLM.sleep)) == "(self, level: int = 1) -> None"

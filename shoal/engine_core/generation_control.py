@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 # What a worker drops when it sleeps and restores when it wakes up (`wake_up(tags=...)`).
 SLEEP_TAGS = ("weights", "kv_cache")
 SLEEP_LEVELS = (1, 2)
+# SGLang's memory tags; "cuda_graph" names nothing shoal keeps asleep (graphs are captured again).
+SGLANG_MEMORY_TAGS = (*SLEEP_TAGS, "cuda_graph")
 
 
 class GenerationControl:
@@ -130,6 +132,22 @@ class GenerationControl:
         if not self.sleeping_tags:
             self.scheduler.wake_up()
         logger.info("woke up %s in %.2f s", "+".join(tags), time.perf_counter() - start)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """SGLang's spelling of `sleep`: release the parts `tags` names (all by default). shoal
+        sleeps whole, so this is `sleep(level=1)` (the weights keep a host copy, where SGLang's
+        release may discard them), then a `wake_up` of the parts not named."""
+        named = list(SGLANG_MEMORY_TAGS) if tags is None else list(tags)
+        unknown = sorted(set(named) - set(SGLANG_MEMORY_TAGS))
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; the tags are {list(SGLANG_MEMORY_TAGS)}")
+        released = [tag for tag in SLEEP_TAGS if tag in named]
+        if not released:
+            return
+        self.sleep(1)
+        kept = [tag for tag in SLEEP_TAGS if tag not in released]
+        if kept:
+            self.wake_up(kept)
 
     def is_sleeping(self) -> bool:
         """True while any part the engine dropped in `sleep` is still asleep."""

@@ -81,10 +81,17 @@ class WeightUpdateControl:
         self._raise_refusals(self.executor.collective_rpc("check_weights", (metas,)))
 
     def init_weight_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None = None
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str | None = None,
+        group_name: str | None = None,
     ) -> None:
         """Join the trainer's weight-update group: worker rank r becomes rank `rank_offset + r`
-        of `world_size` (rank 0 is the trainer's `WeightSender`, constructed meanwhile)."""
+        of `world_size` (rank 0 is the trainer's `WeightSender`, constructed meanwhile; with
+        `group_name`, the torch process group of that name that SGLang's trainers build)."""
         num_workers = self.config.parallel_config.world_size
         if backend not in WEIGHT_UPDATE_BACKENDS:
             raise ValueError(f"backend must be one of {WEIGHT_UPDATE_BACKENDS}, got {backend!r}")
@@ -93,7 +100,7 @@ class WeightUpdateControl:
                 f"rank_offset={rank_offset} and this engine's {num_workers} worker(s) do not fit in "
                 f"world_size={world_size} (rank 0 is the trainer's)"
             )
-        args = (master_address, int(master_port), rank_offset, world_size, backend)
+        args = (master_address, int(master_port), rank_offset, world_size, backend, group_name)
         self._raise_refusals(self.executor.collective_rpc("init_weight_update_group", args))
 
     def update_weights_from_distributed(
@@ -114,6 +121,14 @@ class WeightUpdateControl:
 
     def destroy_weight_update_group(self) -> None:
         self.executor.collective_rpc("destroy_weight_update_group")
+
+    def update_weight_version(self, new_version: str) -> str:
+        """Rename the version of the weights in place (no weights change): later steps run with
+        version `new_version`."""
+        if not new_version:
+            raise ValueError("new_version must be a non-empty string")
+        self.scheduler.weight_version = new_version
+        return new_version
 
     def get_weight_version(self) -> str:
         """The version of the weights that steps run with now ("0" until the first update)."""

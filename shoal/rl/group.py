@@ -6,6 +6,11 @@ built from a `TCPStore` that rank 0 hosts at `master_address:master_port`, as a 
 group on CPU, or on GPU as an NCCL communicator through CuPy whose unique id rank 0 puts in
 the store. Building it is a collective: every rank constructs it at the same time (the trainer's
 call blocks until the engine's workers have joined).
+
+A group with a `group_name` is the one SGLang's trainers build instead (SGLang, AReaL, slime,
+OpenRLHF: torch's `tcp://` rendezvous, a store prefixed by the group's name, a torch process
+group of gloo or NCCL), so that their broadcasts reach shoal unchanged; its tensors then travel
+one broadcast each, in the order of the update's names, rather than in shoal's buckets.
 """
 
 from __future__ import annotations
@@ -49,20 +54,36 @@ class WeightUpdateGroup:
         device: torch.device,
         backend: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        group_name: str | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a weight-update group of world_size={world_size}")
         self.rank, self.world_size, self.device = rank, world_size, device
         self.backend = resolve_backend(backend, device)
+        self.group_name = group_name
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout)
-        self._gloo: dist.ProcessGroupGloo | None = None
+        self._process_group: dist.ProcessGroup | None = None
         self._nccl: Communicator | None = None
-        if self.backend == "gloo":
-            self._gloo = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        if group_name is not None:
+            self._process_group = _torch_group(
+                master_address, int(master_port), rank, world_size, self.backend, group_name, timeout
+            )
         else:
-            self._nccl = CupyNcclCommunicator(self._exchange_unique_id(), rank, world_size, device)
-        logger.info("joined the weight-update group as rank %d of %d (%s)", rank, world_size, self.backend)
+            self.store = dist.TCPStore(
+                master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout
+            )
+            if self.backend == "gloo":
+                self._process_group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+            else:
+                self._nccl = CupyNcclCommunicator(self._exchange_unique_id(), rank, world_size, device)
+        logger.info(
+            "joined the weight-update group %s as rank %d of %d (%s)", group_name or "", rank, world_size, self.backend
+        )
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether tensors arrive one broadcast each (SGLang's protocol) rather than in buckets."""
+        return self.group_name is not None
 
     def _exchange_unique_id(self) -> NcclUniqueId:
         """Rank 0 creates the NCCL id (and hosts NCCL's bootstrap); the others read it."""
@@ -76,10 +97,10 @@ class WeightUpdateGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """`tensor` of rank `src` into `tensor` on every rank (contiguous, on this group's device)."""
-        if self._gloo is not None:
+        if self._process_group is not None:
             options = dist.BroadcastOptions()
             options.rootRank = src
-            self._gloo.broadcast([tensor], options).wait()
+            self._process_group.broadcast([tensor], options).wait()
             return tensor
         assert self._nccl is not None
         return self._nccl.broadcast(tensor, src)
@@ -88,5 +109,38 @@ class WeightUpdateGroup:
         """Leave the group (every rank does, when the transfers are over)."""
         if self._nccl is not None:
             self._nccl.destroy()
+        if self._process_group is not None and self.group_name is not None:
+            dist.destroy_process_group(self._process_group)  # its name may be used again
         self._nccl = None
-        self._gloo = None
+        self._process_group = None
+
+
+def _torch_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    group_name: str,
+    timeout: datetime.timedelta,
+) -> dist.ProcessGroup:
+    """The process group SGLang's `init_custom_process_group` builds on every rank (the trainer's
+    and the engine's), outside torch.distributed's default group: rank 0 hosts the rendezvous
+    store, whose keys are prefixed by the group's name."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    host = f"[{master_address}]" if ":" in master_address else master_address
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+        group_desc=group_name,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group

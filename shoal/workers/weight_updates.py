@@ -155,14 +155,24 @@ class WeightUpdates:
         return None
 
     def init_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str | None
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str | None,
+        group_name: str | None = None,
     ) -> str | None:
-        """Join the trainer's group as rank `rank_offset + this worker's rank`; returns why not, or None."""
+        """Join the trainer's group as rank `rank_offset + this worker's rank` (shoal's, or with
+        `group_name` the torch process group of SGLang's trainers); returns why not, or None."""
         if self.group is not None:
             return "this engine is already in a weight-update group: call destroy_weight_update_group() first"
         rank = rank_offset + self.worker.rank
+        device = self.worker.device
         try:
-            self.group = WeightUpdateGroup(master_address, master_port, rank, world_size, self.worker.device, backend)
+            self.group = WeightUpdateGroup(
+                master_address, master_port, rank, world_size, device, backend, group_name=group_name
+            )
         except ValueError as exc:
             return str(exc)
         return None
@@ -180,6 +190,8 @@ class WeightUpdates:
             return str(exc)
         start = time.perf_counter()
         problem = self.check(metas)
+        if self.group.per_tensor:
+            return self._receive_per_tensor(metas, problem, start)
         buckets = plan_buckets(metas, bucket_bytes)
         for bucket in buckets:
             _, num_bytes = bucket_offsets(bucket)
@@ -191,6 +203,18 @@ class WeightUpdates:
         logger.info(
             "received %d tensors in %d bucket(s) in %.2f s", len(metas), len(buckets), time.perf_counter() - start
         )
+        return problem
+
+    def _receive_per_tensor(self, metas: Sequence[TensorMeta], problem: str | None, start: float) -> str | None:
+        """SGLang's protocol: one broadcast per tensor, in order, each loaded as it arrives."""
+        assert self.group is not None
+        for meta in metas:
+            tensor = torch.empty(meta.shape, dtype=DTYPES[meta.dtype], device=self.worker.device)
+            self.group.broadcast(tensor, src=0)
+            if problem is None:
+                self.load([(meta.name, tensor)])
+        self._synchronize()
+        logger.info("received %d tensors one by one in %.2f s", len(metas), time.perf_counter() - start)
         return problem
 
     def destroy_group(self) -> None:

@@ -27,6 +27,14 @@ ROUTES = [
     ("POST", "/update_weights_from_disk"),
     ("POST", "/destroy_weight_update_group"),
     ("GET", "/weight_version"),
+    # SGLang's and vLLM's spellings (tests/entrypoints/test_rl_native_apis.py).
+    ("POST", "/generate"),
+    ("POST", "/pause_generation"),
+    ("POST", "/init_weights_update_group"),
+    ("POST", "/abort_request"),
+    ("GET", "/v1/loads"),
+    ("POST", "/init_weight_transfer_engine"),
+    ("POST", "/inference/v1/generate"),
 ]
 
 

@@ -7,10 +7,17 @@ take them; a list repeated, `?tags=weights&tags=kv_cache`, or comma-separated) o
 object body (as SGLang's do: {"level": 2}, {"tags": ["weights"]}), and are read by their
 declared type; a missing or bad value is a 400 with an OpenAI error body, as is the engine's
 ValueError. The route calls the `AsyncLLM` method of the verb and answers the route's `answer`.
+A route's `rewrite` turns another framework's fields into the verb's first
+(shoal/entrypoints/openai/rl_spellings.py), and a true `abort_all_requests` field (SGLang's)
+aborts every request before the call.
+
+The native APIs beside them (SGLang's /generate, vLLM's weight transfer and token-in/token-out
+generate) are in sglang_api.py and vllm_api.py; `rl_router` includes them.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import logging
@@ -21,6 +28,7 @@ from fastapi import APIRouter, Request
 
 from shoal import rl_verbs
 from shoal.entrypoints.openai.errors import bad_request, engine_dead
+from shoal.entrypoints.openai.native_requests import abort_all
 from shoal.rl_verbs import RESULT, Query, Route, Verb
 
 if TYPE_CHECKING:
@@ -32,11 +40,15 @@ _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
 def rl_router() -> APIRouter:
-    """The routes of every RL verb declared now."""
+    """The routes of every RL verb declared now, and SGLang's and vLLM's native RL APIs."""
+    from shoal.entrypoints.openai import sglang_api, vllm_api
+
     router = APIRouter()
     for verb in rl_verbs.declared():
         for route in verb.routes:
             router.add_api_route(route.path, _endpoint(verb, route), methods=[route.method], name=verb.name)
+    router.include_router(sglang_api.router)
+    router.include_router(vllm_api.router)
     return router
 
 
@@ -44,11 +56,14 @@ def _endpoint(verb: Verb, route: Route) -> Callable[[Request], Awaitable[dict[st
     parameters = list(verb.signature.parameters.values())
     readers = {p.name: _reader(verb, p.annotation) for p in parameters}
     list_fields = {name for name, reader in readers.items() if reader in _LIST_READERS}
+    rewrite = _function(route.rewrite) if route.rewrite else None
 
     async def endpoint(request: Request) -> dict[str, Any]:
         engine = _engine(request)
-        fields = await _fields(request, route, list_fields)
+        fields = await _fields(request, route, list_fields, rewrite)
         arguments = {p.name: _argument(p, fields, route, readers[p.name]) for p in parameters}
+        if _bool("abort_all_requests", fields.get("abort_all_requests", False)):
+            await abort_all(engine)
         result = await getattr(engine, verb.name)(**arguments)
         return await _answer(engine, route.answer, result)
 
@@ -77,9 +92,20 @@ def _engine(request: Request) -> AsyncLLM:
     return engine
 
 
-async def _fields(request: Request, route: Route, list_fields: set[str]) -> dict[str, Any]:
+def _function(path: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+async def _fields(
+    request: Request,
+    route: Route,
+    list_fields: set[str],
+    rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The call's fields: the JSON body's, then the query parameters (a list field's values
-    repeated or comma-separated), each under its parameter's name (`route.aliases`)."""
+    repeated or comma-separated), rewritten (`route.rewrite`), each under its parameter's name
+    (`route.aliases`)."""
     fields: dict[str, Any] = {}
     body = await request.body()
     if body.strip():
@@ -95,6 +121,11 @@ async def _fields(request: Request, route: Route, list_fields: set[str]) -> dict
         fields[key] = (
             [part for value in values for part in value.split(",") if part] if name in list_fields else values[-1]
         )
+    if rewrite is not None:
+        try:
+            fields = rewrite(fields)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
     for alias, name in route.aliases.items():
         if alias in fields and fields.get(name) is None:
             fields[name] = fields.pop(alias)
