@@ -196,6 +196,7 @@ BAD_INPUTS = [
     BadInput("a regex that does not compile", "POST", C, _completion(guided_regex="(("), 400, "regex"),
     BadInput("a grammar that does not compile", "POST", C, _completion(guided_grammar="::="), 400, "grammar"),
     BadInput("an empty guided_choice", "POST", C, _completion(guided_choice=[]), 400, "guided_choice"),
+    BadInput("a guided_choice with a NUL", "POST", C, _completion(guided_choice=["a\x00b"]), 400, "guided_choice"),
     BadInput("tool_choice of an unknown kind", "POST", CC, _chat(tool_choice="sometimes"), 400, "tool_choice"),
     BadInput("tool_choice without tools", "POST", CC, _chat(tool_choice="required"), 400, "needs tools"),
     BadInput("a tool without a name", "POST", CC, _chat(tools=[{"type": "function", "function": {}}]), 400, "name"),

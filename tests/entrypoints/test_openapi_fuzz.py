@@ -63,13 +63,15 @@ def run_all_phases(schema: Any) -> tuple[list[str], dict[str, collections.Counte
     checks_run: set[str] = set()
     for event in from_schema(schema).execute():
         if isinstance(event, events.ScenarioFinished):
-            for checks in event.recorder.checks.values():
+            for case_id, checks in event.recorder.checks.items():
                 for check in checks:
                     checks_run.add(check.name)
                     if check.failure_info is not None:
                         info = check.failure_info
                         reproduce = getattr(info, "code_sample", "")  # the request, as a curl command
-                        failures.append(f"{event.label}: {check.name}: {info.failure}\n{reproduce}")
+                        answer = event.recorder.interactions.get(case_id)
+                        body = answer.response.content[:500] if answer and answer.response else b""
+                        failures.append(f"{event.label}: {check.name}: {info.failure}\n{reproduce}\nanswer: {body!r}")
             for interaction in event.recorder.interactions.values():
                 if interaction.response is not None:
                     statuses[event.label or ""][interaction.response.status_code] += 1

@@ -67,6 +67,8 @@ def _not_whole_vocabulary(value: Any) -> Any:
 # `x-shoal-bound`: the schema's maximum comes from the served model (openapi.py): its vocabulary
 # size for token ids, its context for max_tokens.
 NonEmptyText = Annotated[str, Field(min_length=1)]
+# A structured-output choice: text without NUL characters (the grammar library's regexes cannot hold them).
+ChoiceText = Annotated[str, Field(min_length=1, pattern=r"^[^\x00]+$")]
 TokenId = integer(ge=0, le=INT32_MAX, json_schema_extra={"x-shoal-bound": "vocab"})
 Count = integer(ge=0, le=INT32_MAX)
 MaxTokens = integer(ge=0, le=INT32_MAX, json_schema_extra={"x-shoal-bound": "context"})
@@ -194,7 +196,7 @@ class StructuredOutputsSpec(RequestModel):
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    choice: Annotated[list[ChoiceText], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
@@ -249,7 +251,7 @@ class SamplingRequest(RequestBody, RefusedSamplingFields):  # type: ignore[misc,
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[ChoiceText], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
     # Accepted and ignored: shoal has one grammar library.
     guided_decoding_backend: str | None = None
