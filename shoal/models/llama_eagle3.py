@@ -172,7 +172,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
                 continue
             if name in _UNUSED_TENSORS or "rotary_emb.inv_freq" in name:
                 continue
-            param_name, shard_id = _fused_name(name)
+            param_name, shard_id = fused_param_name(name)
             param = params.get(param_name)
             if param is None:
                 continue
@@ -185,7 +185,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         return loaded
 
 
-def _fused_name(name: str) -> tuple[str, str | int | None]:
+def fused_param_name(name: str) -> tuple[str, str | int | None]:
     """The parameter a checkpoint tensor loads into: q/k/v into qkv_proj, gate/up into gate_up_proj."""
     for fused, original, shard_id in STACKED_PARAMS:
         if original in name:

@@ -1,6 +1,7 @@
-"""`EagleProposer`: drafts with an EAGLE-3 head that reads the target's hidden states
-(shoal/models/llama_eagle3.py); the MTP proposer (shoal/spec_decode/mtp.py) drives DeepSeek-V3's
-next-token module the same way.
+"""Proposers that draft with a head reading the target's hidden states: `EagleProposer` (an EAGLE
+head, shoal/models/llama_eagle.py: the target's final hidden states) and `Eagle3Proposer` (an
+EAGLE-3 head, shoal/models/llama_eagle3.py: three target layers' features); the MTP proposer
+(shoal/spec_decode/mtp.py) drives DeepSeek-V3's next-token module the same way.
 
 After each step `propose` runs the drafter in two parts:
 
@@ -85,9 +86,10 @@ class _Chains:
 
 
 class EagleProposer(Proposer):
-    """An EAGLE-3 head (`method: "eagle3"`, `model`: the head's folder) on a Llama-family target."""
+    """An EAGLE head (`method: "eagle"`, `model`: the head's folder) on a Llama-family target; the
+    drafting of every head-like drafter (EAGLE-3, MTP: subclasses that build their own)."""
 
-    method = "eagle3"
+    method = "eagle"
     uses_target_hidden_states = True
 
     def __init__(self, config: SpeculativeConfig, *, block_size: int = 16) -> None:
@@ -115,39 +117,28 @@ class EagleProposer(Proposer):
             self._drafter = self.build_drafter(target_model)
 
     def build_drafter(self, target_model: Any) -> Drafter:
-        """The EAGLE-3 head of `config.model`; makes the target return the features it fuses."""
-        from transformers import AutoConfig
+        """The EAGLE head of `config.model`, reading the target's final hidden states."""
+        from shoal.models.llama_eagle import EagleLlamaForCausalLM
 
-        from shoal.models.llama_eagle3 import Eagle3LlamaForCausalLM, eagle3_aux_layers
-
-        folder = self.config.model
-        assert folder is not None, "SpeculativeConfig requires a head folder for eagle3"
-        head_config = AutoConfig.from_pretrained(folder)
-        names = tensor_names(folder)
-        target_config = target_model.config
-        max_position = max(int(head_config.max_position_embeddings), int(target_config.max_position_embeddings))
+        folder, head_config, names = self._head_checkpoint()
         with build_context(self.dtype, self.device):
-            head = Eagle3LlamaForCausalLM(
+            head = EagleLlamaForCausalLM(
                 head_config,
                 has_embedding="embed_tokens.weight" in names,
-                has_lm_head="lm_head.weight" in names,
-                max_position=max_position,
+                fc_bias="fc.bias" in names,
+                max_position=_max_position(head_config, target_model.config),
             )
-        if head.draft_vocab_size != head.vocab_size and "d2t" not in names:
-            raise ValueError(f"EAGLE-3 head {folder!r} has a draft vocabulary of its own but no d2t mapping")
         load_checkpoint(head, folder)
         head.tie_to_target(target_model)
-        aux_layers = tuple(sorted(set(eagle3_aux_layers(head_config, int(target_config.num_hidden_layers)))))
-        if len(aux_layers) * int(target_config.hidden_size) != head.fc.input_size:
-            raise ValueError(
-                f"EAGLE-3 head {folder!r} fuses {head.fc.input_size} features, but target layers {list(aux_layers)} "
-                f"give {len(aux_layers)} x {target_config.hidden_size}"
-            )
-        if not hasattr(target_model, "set_aux_hidden_state_layers"):
-            raise ValueError(f"an EAGLE-3 head needs a Llama-family target, not {type(target_model).__name__}")
-        target_model.set_aux_hidden_state_layers(aux_layers)
-        logger.info("EAGLE-3 head %s reads target layers %s", folder, list(aux_layers))
         return head.eval()
+
+    def _head_checkpoint(self) -> tuple[str, Any, set[str]]:
+        """The head's folder, config and tensor names."""
+        from transformers import AutoConfig
+
+        folder = self.config.model
+        assert folder is not None, f"SpeculativeConfig requires a head folder for {self.method}"
+        return folder, AutoConfig.from_pretrained(folder), tensor_names(folder)
 
     def kv_cache_block_bytes(self) -> int:
         return sum(
@@ -278,6 +269,47 @@ class EagleProposer(Proposer):
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+class Eagle3Proposer(EagleProposer):
+    """An EAGLE-3 head (`method: "eagle3"`), which fuses three target layers' features."""
+
+    method = "eagle3"
+
+    def build_drafter(self, target_model: Any) -> Drafter:
+        """The EAGLE-3 head of `config.model`; makes the target return the features it fuses."""
+        from shoal.models.llama_eagle3 import Eagle3LlamaForCausalLM, eagle3_aux_layers
+
+        folder, head_config, names = self._head_checkpoint()
+        target_config = target_model.config
+        with build_context(self.dtype, self.device):
+            head = Eagle3LlamaForCausalLM(
+                head_config,
+                has_embedding="embed_tokens.weight" in names,
+                has_lm_head="lm_head.weight" in names,
+                max_position=_max_position(head_config, target_config),
+            )
+        if head.draft_vocab_size != head.vocab_size and "d2t" not in names:
+            raise ValueError(f"EAGLE-3 head {folder!r} has a draft vocabulary of its own but no d2t mapping")
+        load_checkpoint(head, folder)
+        head.tie_to_target(target_model)
+        aux_layers = tuple(sorted(set(eagle3_aux_layers(head_config, int(target_config.num_hidden_layers)))))
+        if len(aux_layers) * int(target_config.hidden_size) != head.fc.input_size:
+            raise ValueError(
+                f"EAGLE-3 head {folder!r} fuses {head.fc.input_size} features, but target layers {list(aux_layers)} "
+                f"give {len(aux_layers)} x {target_config.hidden_size}"
+            )
+        if not hasattr(target_model, "set_aux_hidden_state_layers"):
+            raise ValueError(f"an EAGLE-3 head needs a Llama-family target, not {type(target_model).__name__}")
+        target_model.set_aux_hidden_state_layers(aux_layers)
+        logger.info("EAGLE-3 head %s reads target layers %s", folder, list(aux_layers))
+        return head.eval()
+
+
+def _max_position(head_config: Any, target_config: Any) -> int:
+    """Positions a head's rotary embedding covers: the target's context, which a published head's
+    `max_position_embeddings` (2048 for the Llama-3.1-8B EAGLE-3 head) understates."""
+    return max(int(head_config.max_position_embeddings), int(target_config.max_position_embeddings))
 
 
 # ---- loading, shared with the MTP proposer ----------------------------------------------------

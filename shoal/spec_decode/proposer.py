@@ -158,10 +158,14 @@ def make_proposer(config: SpeculativeConfig, *, block_size: int = 16, target_pat
         from shoal.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config)
-    if config.method == "eagle3":
+    if config.method == "eagle":
         from shoal.spec_decode.eagle import EagleProposer
 
         return EagleProposer(config, block_size=block_size)
+    if config.method == "eagle3":
+        from shoal.spec_decode.eagle import Eagle3Proposer
+
+        return Eagle3Proposer(config, block_size=block_size)
     if config.method == "mtp":
         from shoal.spec_decode.mtp import MtpProposer
 

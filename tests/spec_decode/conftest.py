@@ -6,13 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.spec_decode.drafter_checkpoints import add_mtp_layer, make_eagle3_head
+from tests.spec_decode.drafter_checkpoints import add_mtp_layer, make_eagle3_head, make_eagle_head
 
 
 @pytest.fixture(scope="session")
 def eagle3_head(tiny_checkpoints, tmp_path_factory) -> Path:
     """An EAGLE-3 head for tiny_checkpoints["llama"], in the published layout."""
     return make_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", tiny_checkpoints["llama"])
+
+
+@pytest.fixture(scope="session")
+def eagle_head(tiny_checkpoints, tmp_path_factory) -> Path:
+    """An EAGLE head for tiny_checkpoints["llama"]."""
+    return make_eagle_head(tmp_path_factory.mktemp("eagle") / "head", tiny_checkpoints["llama"])
 
 
 @pytest.fixture(scope="session")

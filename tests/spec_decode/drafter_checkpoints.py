@@ -9,6 +9,9 @@
   layers, too few for the published (2, L // 2, L - 3) choice of features, so the config names
   layers 0, 1 and 2 (`eagle_config.eagle_aux_hidden_state_layer_ids`, as heads trained for other
   layers do).
+- `make_eagle_head(path, target)`: an EAGLE head (one layer: `fc` over [embedding; final hidden
+  state] with a bias, `layers.0.*` without an input norm, its own copy of the embedding; the LM
+  head is the target's).
 - `add_mtp_layer(src, dst)`: a copy of a tiny DeepSeek-V3 checkpoint with one next-token module
   after its decoder layers (`num_nextn_predict_layers: 1`, `model.layers.{L}.*`: `enorm`, `hnorm`,
   `eh_proj`, a decoder layer with MLA and experts, `shared_head.norm`, and the copies of the
@@ -79,6 +82,46 @@ def make_eagle3_head(path: str | Path, target: str | Path, seed: int = 0, draft_
         "lm_head.weight": _random(gen, draft_vocab_size, hidden),
         "d2t": draft_to_target - torch.arange(draft_vocab_size),
         "t2d": t2d,
+    }
+    save_file(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def make_eagle_head(path: str | Path, target: str | Path, seed: int = 0) -> Path:
+    """An EAGLE head of one layer for a tiny Llama target: fc with a bias, no input norm in its
+    layer, its own copy of the target's embedding; the LM head is the target's."""
+    path, target = Path(path), Path(target)
+    path.mkdir(parents=True, exist_ok=True)
+    t = json.loads((target / "config.json").read_text())
+    hidden, num_heads, num_kv_heads = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    head_dim, intermediate = hidden // num_heads, t["intermediate_size"]
+    config = {
+        **{key: t[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")},
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+        "vocab_size": t["vocab_size"],
+        "torch_dtype": "float32",
+    }
+    gen = torch.Generator().manual_seed(seed)
+    m = "layers.0."
+    tensors = {
+        "fc.weight": _random(gen, hidden, 2 * hidden),
+        "fc.bias": _random(gen, hidden),
+        f"{m}post_attention_layernorm.weight": _norm(gen, hidden),
+        f"{m}self_attn.q_proj.weight": _random(gen, num_heads * head_dim, hidden),
+        f"{m}self_attn.k_proj.weight": _random(gen, num_kv_heads * head_dim, hidden),
+        f"{m}self_attn.v_proj.weight": _random(gen, num_kv_heads * head_dim, hidden),
+        f"{m}self_attn.o_proj.weight": _random(gen, hidden, num_heads * head_dim),
+        f"{m}mlp.gate_proj.weight": _random(gen, intermediate, hidden),
+        f"{m}mlp.up_proj.weight": _random(gen, intermediate, hidden),
+        f"{m}mlp.down_proj.weight": _random(gen, hidden, intermediate),
+        "embed_tokens.weight": load_file(target / "model.safetensors")["model.embed_tokens.weight"],
     }
     save_file(tensors, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,7 +1,7 @@
 """Plain reference computations of the EAGLE-3 head and DeepSeek-V3's next-token module, from the
 raw safetensors, and the greedy chain of drafts they give.
 
-`Eagle3Reference` is the published architecture written out in torch (no shoal layer, no cache:
+`Eagle3Reference` and `EagleReference` are the published architectures written out in torch (no shoal layer, no cache:
 full causal attention over the whole sequence). `MtpReference` writes the module's own parts
 (enorm, hnorm, eh_proj, the shared head's norm) in torch around transformers' DeepSeek-V3 decoder
 layer, built by loading the checkpoint into a transformers model one layer deeper than the config
@@ -42,6 +42,27 @@ def causal_mask(num_tokens: int) -> torch.Tensor:
     return torch.full((num_tokens, num_tokens), float("-inf")).triu(1)
 
 
+def attention(
+    w: dict[str, torch.Tensor], prefix: str, config: dict, x: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Llama's grouped-query self-attention of `prefix`'s q/k/v/o_proj over x [T, in], causal."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, n = config["hidden_size"] // heads, len(x)
+    q = (x @ w[f"{prefix}self_attn.q_proj.weight"].T).view(n, heads, head_dim)
+    k = (x @ w[f"{prefix}self_attn.k_proj.weight"].T).view(n, kv_heads, head_dim)
+    v = (x @ w[f"{prefix}self_attn.v_proj.weight"].T).view(n, kv_heads, head_dim)
+    q, k = rotate_halves(q, positions, config["rope_theta"]), rotate_halves(k, positions, config["rope_theta"])
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / head_dim**0.5 + causal_mask(n)
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * head_dim)
+    return out @ w[f"{prefix}self_attn.o_proj.weight"].T
+
+
+def mlp(w: dict[str, torch.Tensor], prefix: str, y: torch.Tensor) -> torch.Tensor:
+    gate, up = y @ w[f"{prefix}mlp.gate_proj.weight"].T, y @ w[f"{prefix}mlp.up_proj.weight"].T
+    return (F.silu(gate) * up) @ w[f"{prefix}mlp.down_proj.weight"].T
+
+
 class Eagle3Reference:
     def __init__(self, head: Path, target_embedding: torch.Tensor):
         self.w = load_file(Path(head) / "model.safetensors")
@@ -54,34 +75,47 @@ class Eagle3Reference:
 
     def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """g [T, hidden], the token after each position [T] -> o [T, hidden]."""
-        w, c, m = self.w, self.config, "midlayer."
-        eps, heads, kv_heads = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"]
-        head_dim = c["hidden_size"] // heads
+        w, eps, m = self.w, self.config["rms_norm_eps"], "midlayer."
         x = torch.cat(
             (rms_norm(self.embedding[tokens], w[f"{m}input_layernorm.weight"], eps),
              rms_norm(hidden, w[f"{m}hidden_norm.weight"], eps)),
             dim=-1,
         )  # fmt: skip
-        n = len(tokens)
-        q = (x @ w[f"{m}self_attn.q_proj.weight"].T).view(n, heads, head_dim)
-        k = (x @ w[f"{m}self_attn.k_proj.weight"].T).view(n, kv_heads, head_dim)
-        v = (x @ w[f"{m}self_attn.v_proj.weight"].T).view(n, kv_heads, head_dim)
-        q, k = rotate_halves(q, positions, c["rope_theta"]), rotate_halves(k, positions, c["rope_theta"])
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        scores = torch.einsum("qhd,khd->hqk", q, k) / head_dim**0.5 + causal_mask(n)
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * head_dim)
-        a = hidden + attn @ w[f"{m}self_attn.o_proj.weight"].T
-        y = rms_norm(a, w[f"{m}post_attention_layernorm.weight"], eps)
-        mlp = (F.silu(y @ w[f"{m}mlp.gate_proj.weight"].T) * (y @ w[f"{m}mlp.up_proj.weight"].T)) @ w[
-            f"{m}mlp.down_proj.weight"
-        ].T
-        return a + mlp
+        a = hidden + attention(w, m, self.config, x, positions)
+        return a + mlp(w, m, rms_norm(a, w[f"{m}post_attention_layernorm.weight"], eps))
 
     def logits(self, o: torch.Tensor) -> torch.Tensor:
         return rms_norm(o, self.w["norm.weight"], self.config["rms_norm_eps"]) @ self.w["lm_head.weight"].T
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.w["d2t"][draft_ids]
+
+
+class EagleReference:
+    """An EAGLE head of one layer: fc over [embedding; target feature], a Llama layer without its
+    input norm, the target's LM head."""
+
+    def __init__(self, head: Path, target: Path):
+        self.w = load_file(Path(head) / "model.safetensors")
+        self.config = json.loads((Path(head) / "config.json").read_text())
+        target_weights = load_file(Path(target) / "model.safetensors")
+        self.embedding = self.w.get("embed_tokens.weight", target_weights["model.embed_tokens.weight"])
+        self.lm_head = target_weights["lm_head.weight"]
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        w, eps, m = self.w, self.config["rms_norm_eps"], "layers.0."
+        x = torch.cat((self.embedding[tokens], hidden), dim=-1) @ w["fc.weight"].T + w["fc.bias"]
+        a = x + attention(w, m, self.config, x, positions)
+        return a + mlp(w, m, rms_norm(a, w[f"{m}post_attention_layernorm.weight"], eps))
+
+    def logits(self, o: torch.Tensor) -> torch.Tensor:
+        return o @ self.lm_head.T
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
 
 
 class MtpReference:

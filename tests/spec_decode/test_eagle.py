@@ -19,25 +19,25 @@ from transformers import AutoModelForCausalLM
 from shoal.forward_context import set_forward_context
 from shoal.models.llama_eagle3 import eagle3_aux_layers
 from shoal.spec_decode.config import SpeculativeConfig
-from shoal.spec_decode.eagle import EagleProposer
+from shoal.spec_decode.eagle import Eagle3Proposer
 from shoal.spec_decode.proposer import ProposerInputs, make_proposer
 from tests.kernels.metadata_utils import allocate_block_tables, make_attention_metadata
 from tests.models.model_utils import load_shoal
 from tests.spec_decode.draft_steps import DraftSteps
 from tests.spec_decode.drafter_checkpoints import EAGLE3_AUX_LAYERS
-from tests.spec_decode.drafter_reference import Eagle3Reference, reference_drafts
+from tests.spec_decode.drafter_reference import Eagle3Reference, EagleReference, reference_drafts
 
 K = 3
 BLOCK_SIZE = 4
 ATOL = 1e-4
 
 
-def load_eagle3(head, target_path, k: int = K) -> tuple[torch.nn.Module, EagleProposer]:
+def load_eagle3(head, target_path, k: int = K) -> tuple[torch.nn.Module, Eagle3Proposer]:
     target = load_shoal(target_path)
     proposer = make_proposer(
         SpeculativeConfig(method="eagle3", num_speculative_tokens=k, model=str(head)), block_size=BLOCK_SIZE
     )
-    assert isinstance(proposer, EagleProposer)
+    assert isinstance(proposer, Eagle3Proposer)
     proposer.load_model(target)
     return target, proposer
 
@@ -188,3 +188,28 @@ def test_drafting_needs_the_targets_states(eagle3_head, tiny_checkpoints):
     inputs = ProposerInputs(["a"], np.array([0]), np.zeros((1, 8), dtype=np.int64), np.array([3]))
     with pytest.raises(ValueError, match="needs the target's states"):
         proposer.propose(inputs)
+
+
+def test_an_eagle_head_drafts_the_references_chain(eagle_head, tiny_checkpoints):
+    """A plain EAGLE head: its own embedding, the target's LM head and final hidden states."""
+    path = tiny_checkpoints["llama"]
+    target = load_shoal(path)
+    proposer = make_proposer(
+        SpeculativeConfig(method="eagle", num_speculative_tokens=K, model=str(eagle_head)), block_size=BLOCK_SIZE
+    )
+    proposer.load_model(target)
+    head = proposer.drafter
+    assert head.lm_head is target.lm_head and head.embed_tokens is not target.model.embed_tokens
+    assert head.fc.bias is not None and target.model.aux_hidden_state_layers == ()
+    reference = EagleReference(eagle_head, path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    steps = DraftSteps(target, proposer, block_size=BLOCK_SIZE, lookahead=K - 1)
+    steps.add(0, random_tokens(6, seed=10))
+    steps.add(1, random_tokens(9, seed=11))
+    drafts = steps.step(prefill={0: 6, 1: 5})
+    drafts = steps.step(prefill={1: 4}, verify=drafts, accept={0: 2})
+    for slot, proposed in drafts.items():
+        tokens = steps.tokens(slot)
+        with torch.no_grad():
+            features = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        assert proposed == reference_drafts(reference, features, tokens, K), slot
