@@ -15,7 +15,8 @@ and whose MLPs, from layer `first_k_dense_replace` on, are DeepSeekMoE blocks:
 - The first `first_k_dense_replace` layers keep a dense MLP of `intermediate_size`.
 - DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after
   the last decoder layer (`model.layers.61.*` in the released model): they serve speculative
-  decoding, which shoal does not run, so they are skipped at load.
+  decoding, so the target skips them at load and the MTP proposer loads them
+  (shoal/models/deepseek_mtp.py, shoal/spec_decode/mtp.py).
 
 Layer structure, residual fusion and pipeline stages are Llama's (shoal/models/llama.py).
 """
@@ -121,9 +122,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 continue
             yield name, weight
         if skipped:
-            logger.info("skipped the multi-token-prediction layers %s (not used for decoding)", sorted(skipped))
+            logger.info("skipped the multi-token-prediction layers %s (the MTP proposer's)", sorted(skipped))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """V2's structure with V3's routing (chosen by the config's model_type) and its
-    multi-token-prediction layers skipped."""
+    multi-token-prediction layers skipped (speculative decoding's `mtp` method loads them)."""

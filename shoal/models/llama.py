@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
+            self.input_size(config),
             self.head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -106,6 +106,11 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.head_dim**-0.5, self.qkv_proj.num_kv_heads)
+
+    @staticmethod
+    def input_size(config: Any) -> int:
+        """Features of the attention's input (an EAGLE-3 head's layer reads two hidden states)."""
+        return int(config.hidden_size)
 
     @staticmethod
     def biases(config: Any) -> tuple[bool, bool]:
@@ -239,24 +244,41 @@ class LlamaModel(nn.Module):
         )
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Off by default: the layers whose input the forward returns beside its output, for an
+        # EAGLE-3 head (see LlamaForCausalLM.set_aux_hidden_state_layers).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
+    ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, torch.Tensor]:
         if self.is_first_stage:
             hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
         else:
             assert intermediate_tensors is not None, "a later pipeline stage needs the previous stage's tensors"
             hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in self.layers.values():
+        aux: list[torch.Tensor] = []
+        for index, layer in self.layers.items():
+            if int(index) in self.aux_hidden_state_layers:
+                aux.append(_residual_stream(hidden_states, residual))
             hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.is_last_stage:
             return {"hidden_states": hidden_states, "residual": residual}
+        if self.end_layer in self.aux_hidden_state_layers:
+            aux.append(_residual_stream(hidden_states, residual))
         hidden_states, _ = _add_and_norm(self.norm, hidden_states, residual)
+        if aux:
+            return hidden_states, torch.cat(aux, dim=-1)  # [num_tokens, hidden_size], [.., len(aux) * hidden_size]
         return hidden_states  # [num_tokens, hidden_size]
+
+
+def _residual_stream(hidden_states: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream between two layers (the two branches a layer hands the next, summed),
+    as a new tensor: the layers' norms add them in place later. Before the first layer: the
+    embeddings (copied, since the first layer keeps them as its residual)."""
+    return hidden_states.clone() if residual is None else hidden_states + residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -295,14 +317,30 @@ class LlamaForCausalLM(nn.Module):
         """The rotary embedding every layer shares; None: the config's, neox style."""
         return None
 
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """From now on the forward also returns the residual stream entering each of `layers`
+        (0: the embeddings; num_hidden_layers: the last layer's output, before the final norm),
+        concatenated in layer order: (hidden_states [num_tokens, hidden_size], aux [num_tokens,
+        len(layers) * hidden_size]). An EAGLE-3 head fuses these low, middle and high features;
+        `()` turns it off. One pipeline stage must hold all of them."""
+        num_layers = int(self.config.num_hidden_layers)
+        layers = tuple(sorted(set(int(i) for i in layers)))
+        if any(not 0 <= i <= num_layers for i in layers):
+            raise ValueError(f"auxiliary hidden-state layers {list(layers)} must lie in [0, {num_layers}]")
+        model = self.model
+        if layers and not (model.is_first_stage and model.is_last_stage):
+            raise ValueError("auxiliary hidden states (EAGLE-3) need the whole model on one pipeline stage")
+        model.aux_hidden_state_layers = layers
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
+    ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size] on the last
-        pipeline stage, else {"hidden_states", "residual"} for the next stage."""
+        pipeline stage (with the auxiliary hidden states after them when some are set:
+        `set_aux_hidden_state_layers`), else {"hidden_states", "residual"} for the next stage."""
         return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

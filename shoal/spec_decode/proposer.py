@@ -39,6 +39,7 @@ its weights and KV cache; those hooks come with the proposers that need them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -70,6 +71,11 @@ class TargetStates:
     layout: DraftLayout  # the step's drafts, by sampling request
     emitted_token_ids: torch.Tensor  # [num_reqs, k + 1] the rejection sampler's, -1 padded
     num_emitted: torch.Tensor  # [num_reqs]
+    # Each of the step's requests' input-batch row ([num_step_reqs], in query_start_loc's order):
+    # with `ProposerInputs.token_ids` it gives the token after every row's position (the next
+    # prompt token of a prefill chunk, an accepted draft, the emitted token), which an EAGLE head
+    # or MTP module reads at that row.
+    slots: np.ndarray | None = None
 
 
 @dataclass
@@ -89,6 +95,11 @@ class ProposerInputs:
     # reach max_tokens); None: k for every request.
     max_num_drafts: np.ndarray | None = None
     target: TargetStates | None = None
+    # The input batch's block table ([max_num_reqs, max_blocks_per_req]) and each row's number
+    # of allocated blocks ([max_num_reqs]): where a drafter that runs past the step's tokens
+    # (EAGLE, MTP) writes its own drafts' KV entries.
+    block_table: np.ndarray | None = None
+    num_blocks: np.ndarray | None = None
 
 
 @dataclass
@@ -134,11 +145,29 @@ class Proposer(ABC):
         """Allocate the drafter's KV cache: `num_blocks` blocks, the target's count and size."""
         return
 
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """An RL weight update of the target (its checkpoint's names): the drafter loads the
+        tensors that are its own and ignores the rest. Returns the drafter's parameters loaded."""
+        return set()
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of `config.method`."""
+
+def make_proposer(config: SpeculativeConfig, *, block_size: int = 16, target_path: str | None = None) -> Proposer:
+    """The proposer of `config.method`. `block_size`: the KV cache's (a drafter's cache has the
+    target's blocks); `target_path`: the target's checkpoint folder (MTP layers live there)."""
     if config.method == "ngram":
         from shoal.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config)
+    if config.method == "eagle":
+        from shoal.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(config, block_size=block_size)
+    if config.method == "eagle3":
+        from shoal.spec_decode.eagle import Eagle3Proposer
+
+        return Eagle3Proposer(config, block_size=block_size)
+    if config.method == "mtp":
+        from shoal.spec_decode.mtp import MtpProposer
+
+        return MtpProposer(config, block_size=block_size, target_path=target_path)
     raise NotImplementedError(f"speculative decoding method {config.method!r} has no proposer yet")

@@ -83,10 +83,12 @@ def _fake_quant_linear(group_size: int):
         torch.nn.functional.linear = linear
 
 
-def hf_block_fp8_model(path: Path, block_size: tuple[int, int]) -> torch.nn.Module:
-    """transformers on `path`'s dequantized copy with fp8-rounded activations (module docstring)."""
+def hf_block_fp8_model(path: Path, block_size: tuple[int, int], **config_overrides) -> torch.nn.Module:
+    """transformers on `path`'s dequantized copy with fp8-rounded activations (module docstring);
+    `config_overrides` change the config as it loads (e.g. one more layer, to build a DeepSeek
+    next-token module's decoder layer)."""
     model = AutoModelForCausalLM.from_pretrained(
-        dequantized_path(path), dtype=torch.float32, attn_implementation="eager"
+        dequantized_path(path), dtype=torch.float32, attn_implementation="eager", **config_overrides
     )
     group_size = block_size[1]
 

@@ -42,5 +42,5 @@ def test_ngram_proposer_drafts_from_each_requests_row() -> None:
 
 def test_model_based_methods_have_no_proposer_yet(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(NotImplementedError, match="'eagle3' has no proposer yet"):
-        make_proposer(SpeculativeConfig(method="eagle3", num_speculative_tokens=2, model=str(tmp_path)))
+    with pytest.raises(NotImplementedError, match="'draft_model' has no proposer yet"):
+        make_proposer(SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model=str(tmp_path)))
