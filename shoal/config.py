@@ -225,7 +225,7 @@ class EngineArgs:
         served = self.served_model_name or default_name
         if not Path(model).is_dir():
             raise ValueError(f"model {model!r} is not a local directory with a config.json")
-        hf_config = _load_hf_config(model)
+        hf_config = load_hf_config(model)
         architecture = _architecture(hf_config)
         derived_len = _derived_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived_len
@@ -386,7 +386,7 @@ def _resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
     return checkpoint_quantization(hf_config) or requested
 
 
-def _load_hf_config(model: str) -> Any:
+def load_hf_config(model: str) -> Any:
     from transformers import AutoConfig
 
     try:

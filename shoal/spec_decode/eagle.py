@@ -134,11 +134,11 @@ class EagleProposer(Proposer):
 
     def _head_checkpoint(self) -> tuple[str, Any, set[str]]:
         """The head's folder, config and tensor names."""
-        from transformers import AutoConfig
+        from shoal.config import load_hf_config
 
         folder = self.config.model
         assert folder is not None, f"SpeculativeConfig requires a head folder for {self.method}"
-        return folder, AutoConfig.from_pretrained(folder), tensor_names(folder)
+        return folder, load_hf_config(folder), tensor_names(folder)
 
     def kv_cache_block_bytes(self) -> int:
         return sum(

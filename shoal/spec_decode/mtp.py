@@ -33,13 +33,12 @@ class MtpProposer(EagleProposer):
         self.folder = config.model or target_path
 
     def build_drafter(self, target_model: Any) -> Drafter:
-        from transformers import AutoConfig
-
+        from shoal.config import load_hf_config
         from shoal.models.deepseek_mtp import DeepseekMTP, mtp_layer_index
 
         if self.folder is None:
             raise ValueError("the MTP proposer needs the checkpoint folder of its module (the target's)")
-        hf_config = target_model.config if self.config.model is None else AutoConfig.from_pretrained(self.folder)
+        hf_config = target_model.config if self.config.model is None else load_hf_config(self.folder)
         index = mtp_layer_index(hf_config)
         prefix = f"model.layers.{index}."
         files = _files_holding(self.folder, prefix)
