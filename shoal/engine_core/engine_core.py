@@ -67,6 +67,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             num_kv_blocks,
             structured_output=self.structured_output,
             samples_later=self.executor.samples_later,
+            speculative_config=config.speculative_config,
         )
         # A launched step whose bitmask follows it and is still owed to the workers (async
         # scheduling: it is filled once the step before it has landed).
@@ -293,6 +294,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             "step_s": self.step_times.total_s,
             "execute_model_s": self.step_times.execute_s,
             "num_worker_restarts": self.restart_budget.num_restarts,
+            **self.scheduler.spec_decoding_stats(),
         }
 
     def check_health(self) -> None:

@@ -151,9 +151,12 @@ class Proposer(ABC):
         return set()
 
 
-def make_proposer(config: SpeculativeConfig, *, block_size: int = 16, target_path: str | None = None) -> Proposer:
+def make_proposer(
+    config: SpeculativeConfig, *, block_size: int = 16, target_path: str | None = None, model_config: Any = None
+) -> Proposer:
     """The proposer of `config.method`. `block_size`: the KV cache's (a drafter's cache has the
-    target's blocks); `target_path`: the target's checkpoint folder (MTP layers live there)."""
+    target's blocks); `target_path`: the target's checkpoint folder (MTP layers live there);
+    `model_config`: the target's `ModelConfig` (a draft model is built like it)."""
     if config.method == "ngram":
         from shoal.spec_decode.ngram import NgramProposer
 
@@ -170,4 +173,8 @@ def make_proposer(config: SpeculativeConfig, *, block_size: int = 16, target_pat
         from shoal.spec_decode.mtp import MtpProposer
 
         return MtpProposer(config, block_size=block_size, target_path=target_path)
+    if config.method == "draft_model":
+        from shoal.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, block_size=block_size, model_config=model_config)
     raise NotImplementedError(f"speculative decoding method {config.method!r} has no proposer yet")
