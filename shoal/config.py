@@ -229,6 +229,13 @@ class EngineArgs:
             parallel_config.pipeline_parallel_size == 1,
             "speculative decoding does not run with pipeline parallelism (pipeline_parallel_size must be 1)",
         )
+        # A model drafter is built of shoal's tensor-parallel layers and drafts on the sampling
+        # rank alone after verification, so it runs with one rank (n-gram runs at any TP).
+        _require(
+            config.method == "ngram" or parallel_config.tensor_parallel_size == 1,
+            f"speculative_config method {config.method!r} runs with tensor_parallel_size 1 for now "
+            "('ngram' runs at any tensor parallelism)",
+        )
         return config
 
     def _async_scheduling(

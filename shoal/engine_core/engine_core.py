@@ -66,7 +66,8 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             config.cache_config,
             num_kv_blocks,
             structured_output=self.structured_output,
-            samples_later=self.executor.samples_later,
+            # Speculation verifies and drafts within the step: its bitmask comes with it.
+            samples_later=self.executor.samples_later and config.speculative_config is None,
             speculative_config=config.speculative_config,
         )
         # A launched step whose bitmask follows it and is still owed to the workers (async
