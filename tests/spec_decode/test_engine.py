@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from shoal import LLM, SamplingParams
 from shoal.config import EngineArgs
 from shoal.sampling_params import StructuredOutputsParams
+from tests.hf_reference import hf_greedy
 from tests.rl.rl_utils import WEIGHTS_FILE, noised, save_checkpoint
 
 NUM_TOKENS = 24
@@ -202,3 +203,33 @@ def test_speculative_config_flag(target: str) -> None:
         args = make_parser().parse_args([*command, "--speculative-config", flag])
         config = engine_args_from(args).create_engine_config().speculative_config
         assert config is not None and config.num_speculative_tokens == 4
+
+
+PASSAGE = "The river rises in the hills above the town, runs through the old market square and reaches the sea."
+
+
+def test_demo_model_ngram_on_a_copy_heavy_prompt(demo_model_path: str) -> None:
+    """Prompt lookup on a real model asked to repeat a passage: drafts are accepted, the
+    acceptance rate and mean accepted length are reported, and the output is greedy's
+    (transformers' greedy tokens on the same weights)."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(demo_model_path, speculative_config=config, max_model_len=256, multiprocess=False)
+    prompt = llm.get_tokenizer().encode(f"Repeat this passage word for word.\n\n{PASSAGE}\n\nThe passage again:\n\n")
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert output.token_ids == hf_greedy(demo_model_path, prompt, 16, stop_at_eos=True).token_ids
+    stats = spec_stats(llm)
+    acceptance_rate = stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
+    mean_accepted_length = 1 + stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_drafts"]
+    print(f"demo model, n-gram k=4: acceptance rate {acceptance_rate:.2f}, mean accepted length {mean_accepted_length:.2f}")
+    assert acceptance_rate > 0 and mean_accepted_length > 1
+
+
+def test_tensor_parallel_through_ray(ray_cluster: dict, target: str, prompts: list[dict], plain: LLM) -> None:
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(target, tensor_parallel_size=2, speculative_config=config, **ENGINE)
+    try:
+        assert token_ids(llm, prompts) == token_ids(plain, prompts)
+        assert spec_stats(llm)["spec_decode_num_drafts"] > 0
+    finally:
+        llm.shutdown()
