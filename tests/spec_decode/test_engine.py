@@ -233,3 +233,31 @@ def test_tensor_parallel_through_ray(ray_cluster: dict, target: str, prompts: li
         assert spec_stats(llm)["spec_decode_num_drafts"] > 0
     finally:
         llm.shutdown()
+
+
+def test_rl_weight_update_reaches_the_draft_model(target: str, noisy_draft: str, tmp_path: Path) -> None:
+    """A trainer's step updates the target and, by its `draft_model.` names, the draft model:
+    after sleep(level=2) (both models' weights and KV caches freed), a wake-up of the weights, the
+    update and a wake-up of the KV caches, the
+    output is transformers' greedy output on the new weights, and the draft model, now the new
+    target itself, has every draft accepted."""
+    config = {"method": "draft_model", "model": noisy_draft, "num_speculative_tokens": 3}
+    llm = LLM(target, speculative_config=config, **ENGINE)
+    prompt = llm.get_tokenizer().encode(TEXTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    before = spec_stats(llm)
+    assert before["spec_decode_num_accepted_tokens"] < before["spec_decode_num_draft_tokens"]
+
+    new = noised(load_file(str(Path(target) / WEIGHTS_FILE)), seed=1)
+    new_path = save_checkpoint(target, tmp_path / "trained", new)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.update_weights_from_tensors({**new, **{f"draft_model.{name}": t for name, t in new.items()}})
+    llm.wake_up(tags=["kv_cache"])
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert output.token_ids == hf_greedy(new_path, prompt, 12, stop_at_eos=False).token_ids
+    after = spec_stats(llm)
+    num_draft_tokens = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    assert num_draft_tokens > 0
+    assert after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"] == num_draft_tokens
