@@ -69,8 +69,9 @@ class DraftModelProposer(EagleProposer):
         if target is None or target.slots is None:
             raise ValueError("the draft_model proposer needs the target's step (TargetStates with slots)")
         md = target.attn_metadata
+        model: Any = self.drafter  # a causal LM, not a head: (input ids, positions) -> hidden states
         with set_forward_context(md):  # the step pass
-            self.drafter(target.input_ids[: md.num_tokens], target.positions[: md.num_tokens])
+            model(target.input_ids[: md.num_tokens], target.positions[: md.num_tokens])
         chains = self._draft_chains(inputs, target)
         token_ids = np.full((len(inputs.req_ids), self.num_speculative_tokens), -1, dtype=np.int64)
         num_draft_tokens = np.zeros(len(inputs.req_ids), dtype=np.int64)
@@ -96,7 +97,7 @@ class DraftModelProposer(EagleProposer):
         """[num_chains, k] drafts (-1 after each chain's count): the emitted token at P, then each
         draft in turn, one token a forward."""
         assert inputs.block_table is not None
-        drafter = self.drafter
+        drafter: Any = self.drafter
         drafts = torch.full((len(chains.reqs), self.num_speculative_tokens), -1, dtype=torch.int64, device=self.device)
         live = np.arange(len(chains.reqs))
         token_ids = self._to_device(inputs.token_ids[chains.slots, chains.last_positions + 1])  # the emitted tokens

@@ -221,7 +221,9 @@ def test_demo_model_ngram_on_a_copy_heavy_prompt(demo_model_path: str) -> None:
     stats = spec_stats(llm)
     acceptance_rate = stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
     mean_accepted_length = 1 + stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_drafts"]
-    print(f"demo model, n-gram k=4: acceptance rate {acceptance_rate:.2f}, mean accepted length {mean_accepted_length:.2f}")
+    print(
+        f"demo model, n-gram k=4: acceptance rate {acceptance_rate:.2f}, mean accepted length {mean_accepted_length:.2f}"
+    )
     assert acceptance_rate > 0 and mean_accepted_length > 1
 
 
