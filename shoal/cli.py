@@ -71,7 +71,7 @@ _HELP = {
     "num_gpus_per_worker": "each Ray worker's share of a GPU (below 1 when a colocated trainer shares it)",
     "num_cpus_per_worker": "each Ray worker's logical CPUs (CPU workers)",
     "speculative_config": 'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-    "(methods: ngram, draft_model, eagle, eagle3, mtp; see docs/spec_decode.md)",
+    "(methods: ngram, draft_model, eagle, eagle3, mtp; see docs/spec_decode.md) (default: none)",
     "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call "
     "(default: none)",
 }
