@@ -318,7 +318,9 @@ class Scheduler(AdmissionControl, SpeculativeScheduling):
             finished_req_ids=finished_req_ids,
             step_id=self._step_id,
             structured_req_ids=structured_req_ids,
-            grammar=structured.grammar_bitmask(structured_req_ids) if carried and structured else None,
+            grammar=structured.grammar_bitmask(structured_req_ids, step.spec_tokens)
+            if carried and structured
+            else None,
             grammar_follows=self.samples_later and bool(structured_req_ids),
             scheduled_spec_decode_tokens={r: drafts for r, drafts in step.spec_tokens.items() if drafts},
         )

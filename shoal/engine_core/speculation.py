@@ -86,7 +86,7 @@ class SpeculativeScheduling:
         config = self.speculative_config
         if not drafts or config is None or num_new_tokens != 1 or request.num_computed_tokens != request.num_tokens - 1:
             return []
-        if request.structured_output is not None or not config.speculates_at(len(self.running)):
+        if not config.speculates_at(len(self.running)):
             return []
         acceptance = self._acceptance.get(request)
         if acceptance is not None and request.num_output_tokens < acceptance.off_until_num_output_tokens:
@@ -97,7 +97,12 @@ class SpeculativeScheduling:
             self.max_model_len - request.num_tokens,
             request.max_tokens - request.num_output_tokens - 1,
         )
-        return drafts[: max(n, 0)]
+        drafts = drafts[: max(n, 0)]
+        if request.structured_output is not None and drafts:  # cut where the grammar refuses
+            from shoal.structured_output.manager import StructuredOutputManager
+
+            drafts = StructuredOutputManager.accepted_prefix(request, drafts)
+        return drafts
 
     def _append_emitted(
         self, request: Request, token_ids: list[int], scheduled_drafts: list[int] | None

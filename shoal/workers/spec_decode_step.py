@@ -10,9 +10,10 @@ The runner reaches it at four seams of a step:
    request's last 1 + n rows), and no plain sampling metadata (the rows' is built per row).
 3. `sample`, after the forward: with no drafts in the step, the runner's own sampler; else the
    rejection sampler over the verification rows (`verification_sampling_metadata`: row j samples
-   as if drafts 0..j-1 were emitted; the grammar's bitmask at each structured request's row,
-   which has no drafts: the scheduler drafts no structured request). The emitted tokens come
-   back as lists, logprobs row by row.
+   as if drafts 0..j-1 were emitted; the grammar's bitmask at each structured request's rows,
+   row j from its grammar advanced over drafts 0..j-1, which the
+   scheduler cut where the grammar refused one). The emitted tokens come back as lists,
+   logprobs row by row.
 4. The proposer, last: the emitted tokens are written into the rows (the scheduler's next diff
    writes the same ones), and it drafts the next step's tokens from them (n-gram), or from the
    target's states of this step (draft model, EAGLE heads, MTP, which also run their step pass
@@ -179,13 +180,25 @@ class SpeculativeStep:
         layout = verification.layout
         metadata = verification_sampling_metadata(states, verification.drafts, logits.shape[-1], runner.device)
         if grammar is not None:
-            bitmask, rows = runner.structured.loader.load(grammar, sampling_req_ids)
-            request_rows = np.arange(bitmask.shape[0]) if rows is None else rows.cpu().numpy()
-            layout_rows = torch.from_numpy(layout.first_row[request_rows]).to(runner.device)
-            metadata = with_token_bitmask(metadata, bitmask, layout_rows)
+            metadata = with_token_bitmask(metadata, *self._bitmask_rows(grammar, sampling_req_ids, layout))
         flat_drafts = [t for d in verification.drafts for t in d]
         draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64).to(runner.device)
         return self.rejection_sampler(logits, layout, draft_token_ids, None, metadata)
+
+    def _bitmask_rows(
+        self, grammar: GrammarBitmask, sampling_req_ids: list[str], layout: DraftLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bitmask on the device and its verification rows: a request's rows come in order
+        (its id once per row: the grammar after 0, 1, ... of its drafts)."""
+        request_index = {req_id: i for i, req_id in enumerate(sampling_req_ids)}
+        num_seen: dict[str, int] = {}
+        rows = np.empty(len(grammar.req_ids), dtype=np.int64)
+        for row, req_id in enumerate(grammar.req_ids):
+            rows[row] = layout.first_row[request_index[req_id]] + num_seen.get(req_id, 0)
+            num_seen[req_id] = num_seen.get(req_id, 0) + 1
+        words = np.frombuffer(grammar.bitmask, dtype=np.int32).reshape(len(grammar.req_ids), grammar.num_words)
+        device = self.runner.device
+        return torch.from_numpy(words.copy()).to(device), torch.from_numpy(rows).to(device)
 
     def _output(
         self,
