@@ -27,7 +27,7 @@ bench() {  # name, then shoal bench arguments
 bench demo-plain throughput --model "$DEMO" "${copy[@]}"
 bench demo-ngram throughput --model "$DEMO" "${copy[@]}" --speculative-config "$NGRAM"
 for batch in 1 64; do
-  shape=(latency --model "${SHOAL_8B_SHAPE:-.gpu-stage/llama-3.1-8b-shape}" --load-format dummy --dtype bfloat16
+  shape=(latency --model "${SHOAL_8B_SHAPE:-benchmarks/configs/llama-3.1-8b}" --load-format dummy --dtype bfloat16
          --batch-size "$batch" --input-len 128 --output-len 256 --temperature 0 --no-hardware-bound)
   bench "8b-plain-b$batch" "${shape[@]}"
   bench "8b-accept-all-b$batch" "${shape[@]}" --speculative-config "$ACCEPT_ALL"
@@ -41,7 +41,7 @@ def rate(name):
     if not path.exists():
         return None
     report = json.loads(path.read_text())
-    return report.get("output_tokens_per_s") or report.get("shoal", {}).get("output_tokens_per_s")
+    return report.get("results", {}).get("shoal", {}).get("output_tokens_per_s")
 print("summary")
 for base, spec in [("demo-plain", "demo-ngram"), ("8b-plain-b1", "8b-accept-all-b1"), ("8b-plain-b64", "8b-accept-all-b64")]:
     a, b = rate(base), rate(spec)
