@@ -7,7 +7,8 @@ output. The scheduler counts them in the next step's token budget and allocates 
 the runner then scores them (`DraftLayout`, `RejectionSampler`).
 
 Implemented: n-gram prompt lookup (`NgramProposer`, shoal/spec_decode/ngram.py), which reads only
-the requests' token rows on the host. The model-based proposers will need more of the runner:
+the requests' token rows on the host; the draft model (draft_model.py), EAGLE heads (eagle.py) and
+MTP (mtp.py), which the runner feeds as follows (shoal/workers/spec_decode_step.py):
 
 - draft model (`draft_model`): a second, smaller model of the target's vocabulary, loaded in the
   same worker (`load_model`), with its own KV cache of the same block size and number of blocks
@@ -33,7 +34,7 @@ the requests' token rows on the host. The model-based proposers will need more o
 
 RL weight updates reach a model-based proposer through its `load_weights` (names of the target's
 checkpoint for MTP and tied heads, the draft model's own otherwise), and sleep / wake-up cover
-its weights and KV cache; those hooks come with the proposers that need them.
+its weights and KV cache (the runner's `kv_caches` hold the drafter's too).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -92,19 +92,26 @@ class SpeculativeStep:
         drafter = getattr(self.proposer, "_drafter", None)
         return drafter if isinstance(drafter, torch.nn.Module) else None
 
-    def split_weights(self, weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-        """An RL update's tensors: (the target's, the drafter's). A draft model's are those named
-        `draft_model.<its name>`; an EAGLE head or MTP module takes its own from the target's
-        names (and sees a tied embedding or LM head through the target's modules)."""
-        target, drafter = [], []
-        for name, tensor in weights:
-            if name.startswith(DRAFT_MODEL_PREFIX):
-                drafter.append((name[len(DRAFT_MODEL_PREFIX) :], tensor))
-            else:
-                target.append((name, tensor))
-                if self.config.method in ("eagle", "eagle3", "mtp"):
+    def split_weights(
+        self, weights: Iterable[tuple[str, Any]]
+    ) -> tuple[Iterator[tuple[str, Any]], list[tuple[str, Any]]]:
+        """An RL update's tensors: (the target's, streamed as they come; the drafter's, filled
+        while the target's are read). A draft model's are those named `draft_model.<its name>`;
+        an EAGLE head or MTP module takes its own from the target's names (and sees a tied
+        embedding or LM head through the target's modules)."""
+        drafter: list[tuple[str, Any]] = []
+        reads_target_names = self.config.method in ("eagle", "eagle3", "mtp")
+
+        def target() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                if name.startswith(DRAFT_MODEL_PREFIX):
+                    drafter.append((name[len(DRAFT_MODEL_PREFIX) :], tensor))
+                    continue
+                if reads_target_names:
                     drafter.append((name, tensor))
-        return target, drafter
+                yield name, tensor
+
+        return target(), drafter
 
     def load_weights(self, weights: list[tuple[str, Any]]) -> set[str]:
         return self.proposer.load_weights(weights) if weights else set()

@@ -132,7 +132,7 @@ class WeightUpdates:
         """Write checked tensors (or lazy safetensors slices) through the model's loaders."""
         runner = self.worker.runner
         with torch.no_grad():
-            if runner.speculation is None:
+            if runner.speculation is None or runner.speculation.config.method == "ngram":
                 runner.model.load_weights(named_tensors)  # type: ignore[union-attr]
                 return
             # The drafter's share: a draft model's own names, or a head's / MTP module's among the target's.
