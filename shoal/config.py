@@ -229,12 +229,13 @@ class EngineArgs:
             parallel_config.pipeline_parallel_size == 1,
             "speculative decoding does not run with pipeline parallelism (pipeline_parallel_size must be 1)",
         )
-        # A model drafter is built of shoal's tensor-parallel layers and drafts on the sampling
-        # rank alone after verification, so it runs with one rank (n-gram runs at any TP).
+        # A model drafter is built of shoal's tensor-parallel layers: it is sharded like the
+        # target and runs on every rank (the sampling rank sends the emitted tokens).
+        tp = parallel_config.tensor_parallel_size
         _require(
-            config.method == "ngram" or parallel_config.tensor_parallel_size == 1,
-            f"speculative_config method {config.method!r} runs with tensor_parallel_size 1 for now "
-            "('ngram' runs at any tensor parallelism)",
+            config.method == "ngram" or config.draft_tensor_parallel_size in (None, tp),
+            f"speculative_config draft_tensor_parallel_size must be the target's ({tp}) for now: "
+            "the drafter is sharded like the target",
         )
         return config
 

@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 import torch
 
+from shoal.distributed.parallel_state import get_tp_group
 from shoal.spec_decode.config import SpeculativeConfig
 from shoal.spec_decode.draft_layout import DraftLayout
 from shoal.spec_decode.proposer import Drafts, Proposer, ProposerInputs, TargetStates, make_proposer
@@ -155,7 +156,11 @@ class SpeculativeStep:
         num_tokens = inputs.attn_metadata.num_tokens
         logits = runner._logits(hidden_states, inputs.logits_indices, num_tokens) if states else None
         prompt_logprobs = runner._prompt_logprobs(inputs, hidden_states)
+        drafter_hidden_states = hidden_states if aux is None else aux
         if not runner.is_sampling_rank:
+            if self._drafts_on_every_rank:  # a sharded drafter runs on every rank, in step
+                emitted = self._receive_emitted(len(states))
+                self._propose(inputs, drafter_hidden_states, slots, emitted, verification)
             return None
         if verification.layout.num_drafts == 0:
             from shoal.workers.model_runner import _LogitsOfStep
@@ -171,9 +176,32 @@ class SpeculativeStep:
                 inputs, states, verified, verification.layout, prompt_logprobs, scheduler_output
             )
         runner.keep_samples(inputs.sampling_slots, None)
-        drafts = self._propose(inputs, hidden_states if aux is None else aux, slots, emitted, verification)
+        if self._drafts_on_every_rank:
+            self._send_emitted(emitted)
+        drafts = self._propose(inputs, drafter_hidden_states, slots, emitted, verification)
         spec_token_ids = [drafts.get(req_id, []) for req_id in output.req_ids]
         return msgspec.structs.replace(output, spec_token_ids=spec_token_ids)
+
+    @property
+    def _drafts_on_every_rank(self) -> bool:
+        """A model drafter is sharded like the target (draft TP = TP): every rank runs it, on
+        the tokens the sampling rank emitted (n-gram drafts on the sampling rank alone)."""
+        return self.config.method != "ngram" and get_tp_group().world_size > 1
+
+    def _send_emitted(self, emitted: list[list[int]]) -> None:
+        k = self.config.num_speculative_tokens
+        rows = torch.full((len(emitted), k + 1), -1, dtype=torch.int64)
+        for i, tokens in enumerate(emitted):
+            rows[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        if len(emitted):
+            get_tp_group().broadcast(rows.to(self.runner.device), 0)
+
+    def _receive_emitted(self, num_reqs: int) -> list[list[int]]:
+        if num_reqs == 0:
+            return []
+        rows = torch.empty((num_reqs, self.config.num_speculative_tokens + 1), dtype=torch.int64)
+        rows = get_tp_group().broadcast(rows.to(self.runner.device), 0).cpu()
+        return [[t for t in row if t >= 0] for row in rows.tolist()]
 
     def _verify(
         self,
