@@ -10,7 +10,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from shoal.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    # Speculative decoding (docs/spec_decode.md); None: none.
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -171,6 +176,8 @@ class EngineArgs:
     num_cpus_per_worker: float = 1.0
     # "pkg.module:Class": a mixin added to every worker, for collective_rpc (RL frameworks).
     worker_extension_cls: str | None = None
+    # Speculative decoding: a dict of SpeculativeConfig's keys, its JSON, or a SpeculativeConfig.
+    speculative_config: Any = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -182,6 +189,7 @@ class EngineArgs:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be a power of 2 <= 128")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         parallel_config = self._parallel_config(model_config)
+        speculative_config = self._speculative_config(model_config, parallel_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -196,16 +204,52 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=model_config.max_model_len,
-                async_scheduling=self._async_scheduling(device, parallel_config),
+                async_scheduling=self._async_scheduling(device, parallel_config, speculative_config),
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),
+            speculative_config=speculative_config,
         )
 
-    def _async_scheduling(self, device: Device, parallel_config: ParallelConfig) -> bool:
+    def _speculative_config(
+        self, model_config: ModelConfig, parallel_config: ParallelConfig
+    ) -> SpeculativeConfig | None:
+        """The speculative config, checked against the target before anything loads."""
+        if self.speculative_config is None:
+            return None
+        from shoal.spec_decode.config import SpeculativeConfig
+
+        config = self.speculative_config
+        if not isinstance(config, SpeculativeConfig):
+            config = SpeculativeConfig.from_json(config)
+        config.validate_against(model_config, parallel_config)
+        # The drafts are made on the last stage after sampling; with pp steps in flight the
+        # next step of a request is scheduled before they exist (docs/spec_decode.md).
+        _require(
+            parallel_config.pipeline_parallel_size == 1,
+            "speculative decoding does not run with pipeline parallelism (pipeline_parallel_size must be 1)",
+        )
+        # A model drafter is built of shoal's tensor-parallel layers: it is sharded like the
+        # target and runs on every rank (the sampling rank sends the emitted tokens).
+        tp = parallel_config.tensor_parallel_size
+        _require(
+            config.method == "ngram" or config.draft_tensor_parallel_size in (None, tp),
+            f"speculative_config draft_tensor_parallel_size must be the target's ({tp}) for now: "
+            "the drafter is sharded like the target",
+        )
+        return config
+
+    def _async_scheduling(
+        self, device: Device, parallel_config: ParallelConfig, speculative_config: SpeculativeConfig | None = None
+    ) -> bool:
         """Async scheduling feeds each step's sampled tokens to the next step on the device,
-        which one worker can do; with several, every rank would need the same tokens."""
+        which one worker can do; with several, every rank would need the same tokens. A step's
+        drafts depend on the previous step's accepted tokens, so speculation turns it off."""
         single_worker = parallel_config.world_size == 1
+        if speculative_config is not None:
+            if self.async_scheduling:
+                logger.warning("async_scheduling is off: speculative decoding drafts from each step's accepted tokens")
+            return False
         if self.async_scheduling is None:
             return device == "cuda" and single_worker
         _require(

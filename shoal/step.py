@@ -72,8 +72,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, froze
     # `samples_later`.
     grammar: GrammarBitmask | None = None
     grammar_follows: bool = False
-    # Speculative decoding (not used yet): per request, the draft tokens this step verifies
-    # after its last known token; the request's `num_scheduled_tokens` count them.
+    # Speculative decoding: per request, the draft tokens this step verifies after its last
+    # known token; the request's `num_scheduled_tokens` count them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
@@ -108,3 +108,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     # Per request, the rows of the prompt positions computed this step (position 0 excluded).
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
     step_id: int = 0
+    # Speculative decoding: each request's drafts for its next step (aligned with req_ids;
+    # empty when the engine does not speculate). `sampled_token_ids` then holds a request's
+    # accepted drafts and one more token.
+    spec_token_ids: list[list[int]] = msgspec.field(default_factory=list)

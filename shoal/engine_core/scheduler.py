@@ -33,6 +33,7 @@ from shoal.engine_core.admission import Admission, AdmissionControl
 from shoal.engine_core.block_pool import KVCacheBlock
 from shoal.engine_core.kv_cache_manager import KVCacheManager
 from shoal.engine_core.request import Request, RequestStatus
+from shoal.engine_core.speculation import SpeculativeConfig, SpeculativeScheduling
 from shoal.kv_transfer.connector import tokens_to_load
 from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from shoal.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -58,9 +59,10 @@ class ScheduledStep:
     requests: dict[str, Request] = field(default_factory=dict)
     # Its prefill chunks: request id -> (first position, how many prompt tokens).
     prompt_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # the drafts it verifies
 
 
-class Scheduler(AdmissionControl):
+class Scheduler(AdmissionControl, SpeculativeScheduling):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -69,6 +71,7 @@ class Scheduler(AdmissionControl):
         structured_output: StructuredOutputManager | None = None,
         samples_later: bool = False,
         kv_connector: KVConnector | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -94,6 +97,7 @@ class Scheduler(AdmissionControl):
         # Outputs of requests finished outside a step (a grammar that failed to compile).
         self._outputs_outside_steps: list[EngineCoreOutput] = []
         self.kv_connector = kv_connector  # KV transfer: None, nothing arrives from elsewhere
+        self._init_speculation(speculative_config)  # drafts a step carries (speculation.py)
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -169,7 +173,8 @@ class Scheduler(AdmissionControl):
             num_new_tokens = min(self._num_tokens_to_compute(request), step.budget)
             if num_new_tokens == 0:
                 continue
-            blocks = self._allocate_or_preempt(request, num_new_tokens)
+            drafts = self._drafts_to_schedule(request, num_new_tokens, step.budget)
+            blocks = self._allocate_or_preempt(request, num_new_tokens + len(drafts) + self.num_lookahead_slots)
             if blocks is None:
                 break  # the request itself was preempted, or nothing could give way
             step.cached_reqs.append(
@@ -180,7 +185,8 @@ class Scheduler(AdmissionControl):
                     num_computed_tokens=request.num_computed_tokens,
                 )
             )
-            self._add_to_step(step, request, num_new_tokens)
+            self._add_to_step(step, request, num_new_tokens + len(drafts))
+            step.spec_tokens[request.request_id] = drafts
         return self.num_preemptions > num_preemptions_before
 
     def _schedule_waiting(self, step: ScheduledStep, started_only: bool = False) -> None:
@@ -196,7 +202,7 @@ class Scheduler(AdmissionControl):
             num_loaded_tokens = tokens_to_load(self.kv_connector, request, num_hit_tokens) if self.kv_connector else 0
             num_computed_tokens = num_hit_tokens + num_loaded_tokens
             num_new_tokens = min(request.num_tokens - num_computed_tokens, step.budget)
-            num_slots = num_loaded_tokens + num_new_tokens
+            num_slots = num_loaded_tokens + num_new_tokens + self.num_lookahead_slots
             if self.kv_cache_manager.allocate_slots(request, num_slots, hit_blocks, num_hit_tokens) is None:
                 break
             self.waiting.popleft()
@@ -284,6 +290,7 @@ class Scheduler(AdmissionControl):
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # never set: requests in flight are not preempted
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -311,8 +318,11 @@ class Scheduler(AdmissionControl):
             finished_req_ids=finished_req_ids,
             step_id=self._step_id,
             structured_req_ids=structured_req_ids,
-            grammar=structured.grammar_bitmask(structured_req_ids) if carried and structured else None,
+            grammar=structured.grammar_bitmask(structured_req_ids, step.spec_tokens)
+            if carried and structured
+            else None,
             grammar_follows=self.samples_later and bool(structured_req_ids),
+            scheduled_spec_decode_tokens={r: drafts for r, drafts in step.spec_tokens.items() if drafts},
         )
 
     # ---- structured output ------------------------------------------------------------------
@@ -346,7 +356,8 @@ class Scheduler(AdmissionControl):
         step = self._scheduled.pop(scheduler_output.step_id, None) or ScheduledStep(0, self.weight_version)
         scheduled = self._land(step)
         prompt_chunks = {r: chunk for r, chunk in step.prompt_chunks.items() if r in scheduled}
-        outputs, num_generation_tokens = self._append_sampled(model_output, scheduled, prompt_chunks)
+        outputs, num_generation_tokens = self._append_sampled(model_output, scheduled, step)
+        self._take_new_drafts(model_output, scheduled)
         if self.structured_output is not None and self.structured_output.requests:
             self.structured_output.accept_outputs(outputs)
         if self._outputs_outside_steps:
@@ -358,7 +369,7 @@ class Scheduler(AdmissionControl):
         )
 
     def _append_sampled(
-        self, model_output: ModelRunnerOutput, scheduled: dict[str, Request], prompt_chunks: dict[str, tuple[int, int]]
+        self, model_output: ModelRunnerOutput, scheduled: dict[str, Request], step: ScheduledStep
     ) -> tuple[list[EngineCoreOutput], int]:
         """Each request's sampled tokens, up to the one that stops it (finished requests are
         freed); the outputs for the frontend, and how many tokens were accepted."""
@@ -370,20 +381,13 @@ class Scheduler(AdmissionControl):
             request = scheduled.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted, or finished by an earlier step, while this step ran
-            if token_ids:
-                request.num_output_placeholders -= 1
-            new_token_ids = []
-            finished = False
-            for token_id in token_ids:
-                request.append_output_token_id(token_id)
-                new_token_ids.append(token_id)
-                finished = request.check_stop(self.max_model_len)
-                if finished:
-                    break
+            new_token_ids, finished = self._append_emitted(request, token_ids, step.spec_tokens.get(request_id))
             num_generation_tokens += len(new_token_ids)
             prompt_logprobs = all_prompt_logprobs.get(request_id) if all_prompt_logprobs else None
             if prompt_logprobs is not None:
-                prompt_logprobs = request.take_unsent_prompt_logprobs(prompt_logprobs, prompt_chunks[request_id][0])
+                prompt_logprobs = request.take_unsent_prompt_logprobs(
+                    prompt_logprobs, step.prompt_chunks[request_id][0]
+                )
             if not new_token_ids and prompt_logprobs is None:
                 continue
             logprobs = all_logprobs.get(request_id) if all_logprobs else None

@@ -37,6 +37,10 @@ class IncrementalDetokenizer:
         self._decoded = ""
         # The fast path's tokens whose bytes DecodeStream holds back (no whole character yet).
         self._held: list[int] = []
+        # Of the last update's tokens, how many came after the one that completed a stop string
+        # (speculative decoding delivers several tokens at once; they are dropped, as if the
+        # request had stopped token by token).
+        self.num_tokens_after_stop = 0
         if self._stream is None:
             self._token_ids = prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]
             self._decoded = self._decode(self._token_ids)
@@ -50,10 +54,21 @@ class IncrementalDetokenizer:
         output ends inside (`max_tokens` cut it) are dropped, as they were held back from the
         stream, rather than written as U+FFFD the way a whole decode does (vLLM drops them too).
         """
+        self.num_tokens_after_stop = 0
         if not self.params.detokenize:
             return None
+        num_new_tokens = len(new_token_ids)
         if stop_terminated and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
+        if self._stop and len(new_token_ids) > 1:
+            for i, token_id in enumerate(new_token_ids):
+                old_len = len(self.output_text)
+                self.output_text += self._decode_next(token_id)
+                stop = self._find_stop(old_len)
+                if stop is not None:
+                    self.num_tokens_after_stop = num_new_tokens - 1 - i
+                    return stop
+            new_token_ids = []
         old_len = len(self.output_text)
         for token_id in new_token_ids:
             self.output_text += self._decode_next(token_id)

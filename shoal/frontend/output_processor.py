@@ -199,6 +199,8 @@ class OutputProcessor:
             output.new_token_ids, stop_terminated, finished=output.finish_reason is not None
         )
         completion.text = child.detokenizer.output_text
+        if child.detokenizer.num_tokens_after_stop:
+            self._drop_tokens_after_stop(completion, output, child.detokenizer.num_tokens_after_stop)
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string
@@ -210,6 +212,16 @@ class OutputProcessor:
             if parent.finished:
                 del self.parents[parent.request_id]
         return stop_string is not None
+
+    @staticmethod
+    def _drop_tokens_after_stop(completion: CompletionOutput, output: EngineCoreOutput, num_tokens: int) -> None:
+        """The tokens of one output after the one that completed a stop string (speculative
+        decoding emits several at once), with their logprobs."""
+        del completion.token_ids[-num_tokens:]
+        if output.new_logprobs is not None and completion.logprobs is not None:
+            del completion.logprobs[-num_tokens:]
+            dropped = sum(row[0] for row in output.new_logprobs.logprobs[-num_tokens:])
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) - dropped
 
     def _make_request_output(self, child: ChildState) -> RequestOutput | None:
         parent = child.parent

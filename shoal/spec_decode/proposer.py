@@ -7,7 +7,8 @@ output. The scheduler counts them in the next step's token budget and allocates 
 the runner then scores them (`DraftLayout`, `RejectionSampler`).
 
 Implemented: n-gram prompt lookup (`NgramProposer`, shoal/spec_decode/ngram.py), which reads only
-the requests' token rows on the host. The model-based proposers will need more of the runner:
+the requests' token rows on the host; the draft model (draft_model.py), EAGLE heads (eagle.py) and
+MTP (mtp.py), which the runner feeds as follows (shoal/workers/spec_decode_step.py):
 
 - draft model (`draft_model`): a second, smaller model of the target's vocabulary, loaded in the
   same worker (`load_model`), with its own KV cache of the same block size and number of blocks
@@ -33,7 +34,7 @@ the requests' token rows on the host. The model-based proposers will need more o
 
 RL weight updates reach a model-based proposer through its `load_weights` (names of the target's
 checkpoint for MTP and tied heads, the draft model's own otherwise), and sleep / wake-up cover
-its weights and KV cache; those hooks come with the proposers that need them.
+its weights and KV cache (the runner's `kv_caches` hold the drafter's too).
 """
 
 from __future__ import annotations
@@ -151,9 +152,12 @@ class Proposer(ABC):
         return set()
 
 
-def make_proposer(config: SpeculativeConfig, *, block_size: int = 16, target_path: str | None = None) -> Proposer:
+def make_proposer(
+    config: SpeculativeConfig, *, block_size: int = 16, target_path: str | None = None, model_config: Any = None
+) -> Proposer:
     """The proposer of `config.method`. `block_size`: the KV cache's (a drafter's cache has the
-    target's blocks); `target_path`: the target's checkpoint folder (MTP layers live there)."""
+    target's blocks); `target_path`: the target's checkpoint folder (MTP layers live there);
+    `model_config`: the target's `ModelConfig` (a draft model is built like it)."""
     if config.method == "ngram":
         from shoal.spec_decode.ngram import NgramProposer
 
@@ -170,4 +174,8 @@ def make_proposer(config: SpeculativeConfig, *, block_size: int = 16, target_pat
         from shoal.spec_decode.mtp import MtpProposer
 
         return MtpProposer(config, block_size=block_size, target_path=target_path)
+    if config.method == "draft_model":
+        from shoal.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, block_size=block_size, model_config=model_config)
     raise NotImplementedError(f"speculative decoding method {config.method!r} has no proposer yet")

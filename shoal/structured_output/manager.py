@@ -222,16 +222,66 @@ class StructuredOutputManager:
 
     # ---- every step, on the host -------------------------------------------------------------
 
-    def grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
+    def grammar_bitmask(
+        self, req_ids: list[str], spec_tokens: dict[str, list[int]] | None = None
+    ) -> GrammarBitmask | None:
         """The bitmask of a step's structured rows (`SchedulerOutput.structured_req_ids`): one
         row per request still unfinished whose grammar constrains the token it samples, filled
         from its matcher, which has seen every token before that one; None when no row is
-        constrained."""
+        constrained. A request with draft tokens (`spec_tokens`, speculative decoding) has one
+        row per verification row: row j as if drafts 0..j-1 were accepted (its id repeated)."""
+        if spec_tokens and any(spec_tokens.get(r) for r in req_ids):
+            return self._bitmask_with_drafts(self.requests_of(req_ids), spec_tokens)
         filled = self.fill_bitmask(self.requests_of(req_ids))
         if filled is None:
             return None
         req_ids, bitmask = filled
         return GrammarBitmask(req_ids=req_ids, bitmask=bitmask.tobytes(), num_words=bitmask.shape[1])
+
+    def _bitmask_with_drafts(self, requests: list[Request], spec_tokens: dict[str, list[int]]) -> GrammarBitmask | None:
+        """Each constrained request's rows over its drafts (which its grammar accepts: the
+        scheduler cut them with `accepted_prefix`), the matcher rolled back after."""
+        constrained = [
+            r for r in requests if r.structured_output is not None and r.structured_output.constrains_next_token
+        ]
+        if not constrained:
+            return None
+        num_rows = sum(1 + len(spec_tokens.get(r.request_id, [])) for r in constrained)
+        bitmask = np.empty((num_rows, self.num_words), dtype=np.int32)
+        row_req_ids: list[str] = []
+        for request in constrained:
+            matcher = request.structured_output.matcher  # type: ignore[union-attr]
+            assert matcher is not None
+            drafts = spec_tokens.get(request.request_id, [])
+            matcher.fill(bitmask, len(row_req_ids))
+            row_req_ids.append(request.request_id)
+            for token_id in drafts:
+                matcher.accept(token_id)
+                matcher.fill(bitmask, len(row_req_ids))
+                row_req_ids.append(request.request_id)
+            if drafts:
+                matcher.rollback(len(drafts))
+        return GrammarBitmask(req_ids=row_req_ids, bitmask=bitmask.tobytes(), num_words=self.num_words)
+
+    @staticmethod
+    def accepted_prefix(request: Request, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the request's grammar refuses (none while its
+        grammar does not constrain the next token plainly: compiling, reasoning, or a first
+        token that may open a thought); the matcher is left as it was."""
+        grammar = request.structured_output
+        if grammar is None or not grammar.constrains_next_token or grammar.matcher is None:
+            return []
+        matcher = grammar.matcher
+        if matcher.also_allowed:
+            return []
+        num_accepted = 0
+        for token_id in drafts:
+            if not matcher.accept(token_id):
+                break
+            num_accepted += 1
+        if num_accepted:
+            matcher.rollback(num_accepted)
+        return drafts[:num_accepted]
 
     def requests_of(self, req_ids: list[str]) -> list[Request]:
         """The unfinished requests among `req_ids`, in that order."""

@@ -63,6 +63,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Speculative decoding: draft tokens written past `num_tokens` for this step (not known).
+        self.num_draft_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Per slot, the sampling facts a plain batch's metadata is gathered from (RequestState).
         self.plain = np.zeros(max_num_reqs, dtype=bool)
         self.temperature = np.ones(max_num_reqs, dtype=np.float32)

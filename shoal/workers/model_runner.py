@@ -42,6 +42,7 @@ from shoal.workers.sampler import (
     build_sampling_metadata,
     temperatures_only,
 )
+from shoal.workers.spec_decode_step import SpeculativeStep
 from shoal.workers.step_buffers import StepBuffers
 from shoal.workers.step_output import DeferredStep, FinishedStep, SampledStep
 
@@ -115,6 +116,9 @@ class ModelRunner:
         # in them that was sampled for its request (-1: none).
         self.prev_sampled: torch.Tensor | None = None
         self.prev_sampled_rows = np.full(scheduler_config.max_num_seqs, -1, dtype=np.int64)
+        # Speculative decoding: drafts into the batch, verification, the proposer (None: off).
+        spec = config.speculative_config
+        self.speculation: SpeculativeStep | None = SpeculativeStep(spec, self) if spec is not None else None
 
     @property
     def is_sampling_rank(self) -> bool:
@@ -127,11 +131,14 @@ class ModelRunner:
         from shoal.models.loader import get_model
 
         self.model = get_model(self.model_config, self.device, self.config.parallel_config)
+        if self.speculation is not None:
+            self.speculation.load_model(self.model)
 
     def kv_cache_block_bytes(self) -> int:
         """Bytes of one KV block across this worker's attention layers, by each layer's
         `kv_cache_spec` (K and V per KV head; MLA's one latent)."""
-        return sum(
+        drafter_bytes = self.speculation.kv_cache_block_bytes() if self.speculation is not None else 0
+        return drafter_bytes + sum(
             layer.kv_cache_spec.block_bytes(self.block_size, self.dtype) for layer in self._model.attention_layers()
         )
 
@@ -144,10 +151,15 @@ class ModelRunner:
             cache = layer.kv_cache_spec.allocate(num_blocks, self.block_size, self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.speculation is not None:  # the drafter's, same blocks (sleep frees it with these)
+            self.kv_caches.extend(self.speculation.initialize_kv_cache(num_blocks))
 
     def capture_cuda_graphs(self) -> None:
         """Capture the decode graphs (GPU, one pipeline stage, unless enforce_eager)."""
         if self.device.type != "cuda" or self.model_config.enforce_eager or get_pp_group().world_size > 1:
+            return
+        if self.speculation is not None:
+            logger.info("speculative decoding runs its steps eagerly: no decode graphs captured")
             return
         self.cuda_graphs = CudaGraphRunner(
             self._model, self.buffers, self.config.scheduler_config.max_num_seqs, self.model_config.max_model_len
@@ -229,6 +241,8 @@ class ModelRunner:
             layer.kv_cache = layer.kv_cache_spec.allocate(1, self.block_size, self.dtype, self.device)
         with set_forward_context(metadata):
             hidden_states = self._model(views["input_ids"], views["positions"])
+        if isinstance(hidden_states, tuple):  # with an EAGLE-3 head's features after them
+            hidden_states = hidden_states[0]
         if get_pp_group().is_last_rank:
             num_rows = min(self.config.scheduler_config.max_num_seqs, num_tokens)
             logits = self._model.compute_logits(hidden_states[:num_rows])
@@ -249,11 +263,18 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
             return FinishedStep(empty) if non_block else empty
+        if self.speculation is not None:
+            self.speculation.write_drafts(scheduler_output)
         inputs = self._prepare_inputs(scheduler_output, slots)
+        if self.speculation is not None:
+            inputs = self.speculation.lay_out(inputs, scheduler_output)
         hidden_states = self._forward(inputs)
         if not get_pp_group().is_last_rank:
             self._send_intermediate_tensors(hidden_states)
             return None
+        if self.speculation is not None:  # verified and drafted: the tokens are on the host
+            output = self.speculation.sample(inputs, hidden_states, scheduler_output, slots)
+            return FinishedStep(output) if non_block and output is not None else output
         step = self._sample(inputs, hidden_states, scheduler_output)
         if step is None:
             return None
@@ -394,7 +415,8 @@ class ModelRunner:
         takes that token from the previous step's samples on the device. The rows of input_ids
         past the tokens the worker knows, and their rows in those samples; none when every
         token is known."""
-        index = np.flatnonzero(positions >= self.input_batch.num_tokens[token_slots])
+        batch = self.input_batch
+        index = np.flatnonzero(positions >= batch.num_tokens[token_slots] + batch.num_draft_tokens[token_slots])
         if len(index) == 0:
             return {}
         rows = self.prev_sampled_rows[token_slots[index]]  # all -1 while there are no samples

@@ -83,7 +83,7 @@ class WorkerSleep:
         runner = self.runner
         freed = 0
         if WEIGHTS not in self.asleep:
-            freed += self.strategy.release_weights(self._model(), keep_contents=level == 1)
+            freed += self.strategy.release_weights(self._weights(), keep_contents=level == 1)
             self.asleep.add(WEIGHTS)
         if KV_CACHE not in self.asleep:
             freed += self.strategy.release_kv_cache(runner.kv_caches)
@@ -114,6 +114,12 @@ class WorkerSleep:
             raise RuntimeError("the model is not loaded")
         return self.runner.model
 
+    def _weights(self) -> torch.nn.Module:
+        """The modules whose weights sleep frees: the model, and a speculative drafter's own."""
+        speculation = self.runner.speculation
+        drafter = speculation.drafter_module if speculation is not None else None
+        return self._model() if drafter is None else torch.nn.ModuleList([self._model(), drafter])
+
     def require_awake(self, tag: str) -> None:
         """Raise ValueError if `tag` is asleep (its tensors have no memory behind them)."""
         if tag in self.asleep:
@@ -125,7 +131,7 @@ class WorkerSleep:
         if isinstance(self.strategy, KeptAddresses):
             return self.strategy.mapped_bytes()
         return {
-            WEIGHTS: sum(s.nbytes() for s in unique_storages(self._model().parameters())),
+            WEIGHTS: sum(s.nbytes() for s in unique_storages(self._weights().parameters())),
             KV_CACHE: sum(s.nbytes() for s in unique_storages(self.runner.kv_caches)),
         }
 

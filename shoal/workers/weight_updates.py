@@ -78,6 +78,13 @@ class WeightUpdates:
             )
         with contextlib.suppress(FileNotFoundError):  # load_format="dummy" on a folder with no weights
             shapes.update({m.name: m.shape for m in safetensors_metas(model_config.model)})
+        speculative_config = self.worker.config.speculative_config
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            from shoal.workers.spec_decode_step import DRAFT_MODEL_PREFIX
+
+            assert speculative_config.model is not None
+            metas = safetensors_metas(speculative_config.model)
+            shapes.update({DRAFT_MODEL_PREFIX + m.name: m.shape for m in metas})
         return shapes
 
     @property
@@ -123,8 +130,15 @@ class WeightUpdates:
 
     def load(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Write checked tensors (or lazy safetensors slices) through the model's loaders."""
+        runner = self.worker.runner
         with torch.no_grad():
-            self.worker.runner.model.load_weights(named_tensors)  # type: ignore[union-attr]
+            if runner.speculation is None or runner.speculation.config.method == "ngram":
+                runner.model.load_weights(named_tensors)  # type: ignore[union-attr]
+                return
+            # The drafter's share: a draft model's own names, or a head's / MTP module's among the target's.
+            target, drafter = runner.speculation.split_weights(named_tensors)
+            runner.model.load_weights(target)  # type: ignore[union-attr]
+            runner.speculation.load_weights(drafter)
 
     def _synchronize(self) -> None:
         if self.worker.device.type == "cuda":

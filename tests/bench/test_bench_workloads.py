@@ -96,3 +96,17 @@ def test_sharegpt_requests(tmp_path: Path, tiny_checkpoints: dict[str, Path]) ->
         sharegpt_requests(tokenizer, num_requests=10, max_model_len=8, path=path)
     with pytest.raises(ValueError, match="tokenizer"):
         sharegpt_requests(None, num_requests=10, max_model_len=512, path=path)
+
+
+def test_sharegpt_copy_requests(tmp_path: Path, tiny_checkpoints: dict[str, Path]) -> None:
+    """Speculative decoding's copy-heavy workload: each prompt asks to repeat a reply."""
+    from shoal.bench.workloads import COPY_PROMPT
+    from shoal.frontend.tokenizer import get_tokenizer
+
+    path = tmp_path / "sharegpt.json"
+    write_truncated_sharegpt(path)
+    tokenizer = get_tokenizer(str(tiny_checkpoints["llama"]))
+    workload = sharegpt_requests(tokenizer, num_requests=10, max_model_len=512, path=path, temperature=0.0, copy=True)
+    assert workload.name == "sharegpt-copy" and workload.temperature == 0.0
+    prompts = {r.prompt for r in workload.requests}
+    assert prompts == {COPY_PROMPT.format(reply) for reply in ("The quick brown fox.", "six seven eight nine ten")}

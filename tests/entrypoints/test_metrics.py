@@ -151,3 +151,31 @@ def test_vllms_metrics_after_requests(server: ServerProcess) -> None:
     cache = labels["shoal:cache_config_info"]
     assert (cache["block_size"], cache["enable_prefix_caching"]) == ("16", "True")
     assert int(cache["num_gpu_blocks"]) > 0
+
+
+def test_spec_decode_metrics_and_stats_line() -> None:
+    """vLLM's spec_decode_* counters follow the engine's cumulative counts; the stats line shows
+    the interval's acceptance rate and mean accepted length."""
+    metrics = ServerMetrics("m")
+    spec = {
+        "spec_decode_num_drafts": 10,
+        "spec_decode_num_draft_tokens": 30,
+        "spec_decode_num_accepted_tokens": 12,
+        "spec_decode_num_accepted_tokens_per_pos": [7, 4, 1],
+    }
+    metrics.set_engine_stats(spec)
+    metrics.set_engine_stats(
+        {**spec, "spec_decode_num_drafts": 14, "spec_decode_num_accepted_tokens_per_pos": [9, 4, 1]}
+    )
+    text = metrics.render().decode()
+    assert 'shoal:spec_decode_num_drafts_total{model_name="m"} 14.0' in text
+    assert 'shoal:spec_decode_num_draft_tokens_total{model_name="m"} 30.0' in text
+    assert 'shoal:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0' in text
+    assert 'shoal:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0' in text
+    assert 'shoal:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
+    stats_logger = StatsLogger(engine=None, interval_s=10.0)  # type: ignore[arg-type]
+    stats_logger._last_time = 0.0
+    stats_logger.on_stats(None, _iteration(0, 22))
+    line = stats_logger.format_line({"num_running_reqs": 1, **spec}, now=10.0)
+    assert line is not None and line.endswith(", Draft acceptance rate: 40.0%, Mean accepted length: 2.20")
+    assert "Draft acceptance rate" not in (stats_logger.format_line({"num_running_reqs": 1, **spec}, now=20.0) or "")

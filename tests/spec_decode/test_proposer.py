@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from shoal.spec_decode.config import SpeculativeConfig
 from shoal.spec_decode.ngram import NgramProposer
@@ -40,7 +39,13 @@ def test_ngram_proposer_drafts_from_each_requests_row() -> None:
     assert capped.as_lists() == [[12], [], []]  # request c's speculation off
 
 
-def test_model_based_methods_have_no_proposer_yet(tmp_path) -> None:
+def test_every_method_has_a_proposer(tmp_path) -> None:
+    from shoal.spec_decode.draft_model import DraftModelProposer
+    from shoal.spec_decode.eagle import Eagle3Proposer, EagleProposer
+    from shoal.spec_decode.mtp import MtpProposer
+
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(NotImplementedError, match="'draft_model' has no proposer yet"):
-        make_proposer(SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model=str(tmp_path)))
+    expected = {"draft_model": DraftModelProposer, "eagle": EagleProposer, "eagle3": Eagle3Proposer, "mtp": MtpProposer}
+    for method, cls in expected.items():
+        proposer = make_proposer(SpeculativeConfig(method=method, num_speculative_tokens=2, model=str(tmp_path)))
+        assert type(proposer) is cls and proposer.method == method

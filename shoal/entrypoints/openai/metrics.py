@@ -53,6 +53,20 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        # Speculative decoding (vLLM's names): advanced only by an engine that speculates.
+        self.spec_decode_counters = {
+            key: counter(key, doc).labels(model_name)
+            for key, doc in (
+                ("spec_decode_num_drafts", "Verifications of a request's draft tokens."),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+            )
+        }
+        self.spec_decode_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the drafts.",
+            ("position",),
+        )
         self.num_requests_running = gauge("num_requests_running", "Requests being computed.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
@@ -173,6 +187,15 @@ class ServerMetrics:
         self._advance(self.prefix_cache_queries.labels(self.model_name), "prefix_cache_queries", stats)
         self._advance(self.prefix_cache_hits.labels(self.model_name), "prefix_cache_hits", stats)
         self._advance(self.num_preemptions.labels(self.model_name), "num_preemptions", stats)
+        if "spec_decode_num_drafts" in stats:
+            self._advance_spec_decode(stats)
+
+    def _advance_spec_decode(self, stats: dict[str, Any]) -> None:
+        for key, counter in self.spec_decode_counters.items():
+            self._advance(counter, key, stats)
+        for position, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            key = f"spec_decode_num_accepted_tokens_per_pos:{position}"
+            self._advance(self.spec_decode_accepted_per_pos.labels(self.model_name, str(position)), key, {key: value})
 
     def _advance(self, counter: Any, key: str, stats: dict[str, Any]) -> None:
         """Move a Prometheus counter up to a cumulative value the engine core reports."""

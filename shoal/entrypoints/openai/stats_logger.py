@@ -3,6 +3,9 @@
     Avg prompt throughput: 512.0 tokens/s, Avg generation throughput: 96.3 tokens/s,
     Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 3.1%, Prefix cache hit rate: 42.0%
 
+and, when the engine speculates, the interval's draft acceptance rate (accepted / draft tokens)
+and mean accepted length (tokens emitted per verification: 1 + accepted / verifications).
+
 Token counts come from the engine's stats listener; queue lengths, KV-cache usage and the
 prefix-cache counters from `AsyncLLM.get_stats()` at each tick (the same call refreshes the
 Prometheus gauges). The hit rate covers the interval when it had lookups, else all time.
@@ -40,6 +43,7 @@ class StatsLogger:
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
         self._logged_idle = False
+        self._last_spec: tuple[int, int, int] = (0, 0, 0)  # drafts, draft tokens, accepted
 
     def on_stats(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
         """The engine's stats listener: called once per batch of outputs."""
@@ -90,5 +94,21 @@ class StatsLogger:
             f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
             f"Running: {running} reqs, Waiting: {waiting} reqs, "
             f"KV cache usage: {100 * float(stats.get('kv_cache_usage', 0.0)):.1f}%, "
-            f"Prefix cache hit rate: {100 * hit_rate:.1f}%"
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%" + self._spec_decode_part(stats)
         )
+
+    def _spec_decode_part(self, stats: dict[str, Any]) -> str:
+        """ ", Draft acceptance rate: ..%, Mean accepted length: .." over the interval ("" without
+        speculation or without drafts in the interval)."""
+        if "spec_decode_num_drafts" not in stats:
+            return ""
+        now = (
+            int(stats["spec_decode_num_drafts"]),
+            int(stats["spec_decode_num_draft_tokens"]),
+            int(stats["spec_decode_num_accepted_tokens"]),
+        )
+        drafts, draft_tokens, accepted = (a - b for a, b in zip(now, self._last_spec))
+        self._last_spec = now
+        if drafts <= 0 or draft_tokens <= 0:
+            return ""
+        return f", Draft acceptance rate: {100 * accepted / draft_tokens:.1f}%, Mean accepted length: {1 + accepted / drafts:.2f}"
