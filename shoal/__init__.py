@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shoal.logger import configure_logging
+from shoal.lora.request import LoRARequest
 from shoal.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from shoal.sampling_params import BeamSearchParams, SamplingParams
 
@@ -18,6 +19,7 @@ __all__ = [
     "BeamSearchParams",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "WeightVersionSpan",

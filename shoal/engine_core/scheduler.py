@@ -32,6 +32,7 @@ from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine_core.admission import Admission, AdmissionControl
 from shoal.engine_core.block_pool import KVCacheBlock
 from shoal.engine_core.kv_cache_manager import KVCacheManager
+from shoal.engine_core.lora_admission import LoRAAdmission
 from shoal.engine_core.request import Request, RequestStatus
 from shoal.kv_transfer.connector import tokens_to_load
 from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
@@ -60,7 +61,7 @@ class ScheduledStep:
     prompt_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-class Scheduler(AdmissionControl):
+class Scheduler(AdmissionControl, LoRAAdmission):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -74,6 +75,7 @@ class Scheduler(AdmissionControl):
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = scheduler_config.async_scheduling
+        self.max_loras = scheduler_config.max_loras  # LoRA: adapters at once (lora_admission.py)
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -188,8 +190,8 @@ class Scheduler(AdmissionControl):
         the budget, the blocks and max_num_seqs allow; with `started_only`, only the preempted
         ones (they wait at the front)."""
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            if started_only and request.status != RequestStatus.PREEMPTED:
+            request = self._next_waiting()  # the head, unless its adapter must wait (max_loras)
+            if request is None or (started_only and request.status != RequestStatus.PREEMPTED):
                 break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             # KV transfer: tokens after the hit whose KV can be loaded rather than computed.
@@ -199,7 +201,7 @@ class Scheduler(AdmissionControl):
             num_slots = num_loaded_tokens + num_new_tokens
             if self.kv_cache_manager.allocate_slots(request, num_slots, hit_blocks, num_hit_tokens) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
@@ -437,6 +439,7 @@ class Scheduler(AdmissionControl):
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=num_generation_tokens,
+            **self.lora_stats(),
         )
 
     def reset_prefix_cache(self) -> bool:
