@@ -10,14 +10,16 @@ weights is found again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from shoal.config import EngineConfig
     from shoal.engine_core.scheduler import Scheduler
     from shoal.executors.abstract import Executor
 
 
 class LoRAControl:
+    config: EngineConfig
     executor: Executor
     scheduler: Scheduler
     lora_versions: dict[str, int]
@@ -35,7 +37,9 @@ class LoRAControl:
         self._require_lora()
         in_use = [r.request_id for r in self.scheduler.requests.values() if r.lora_name == name]
         if in_use:
-            raise ValueError(f"LoRA adapter {name!r} has {len(in_use)} request(s) in flight; unload it once they finish")
+            raise ValueError(
+                f"LoRA adapter {name!r} has {len(in_use)} request(s) in flight; unload it once they finish"
+            )
         errors = [e for e in self.executor.collective_rpc("remove_lora", (name,)) if e]
         if errors:
             raise ValueError(errors[0])
@@ -45,7 +49,7 @@ class LoRAControl:
 
     def list_loras(self) -> dict[str, int]:
         """Adapter name → its lora_int_id, as the first worker holds them."""
-        if getattr(self, "config").lora_config is None:
+        if self.config.lora_config is None:
             return {}
         return self.executor.collective_rpc("list_loras")[0]
 
@@ -66,6 +70,5 @@ class LoRAControl:
         return str(self.lora_versions[name])
 
     def _require_lora(self) -> None:
-        config: Any = getattr(self, "config")
-        if config.lora_config is None:
+        if self.config.lora_config is None:
             raise ValueError("LoRA is not enabled on this engine (start it with enable_lora=True / --enable-lora)")

@@ -134,7 +134,9 @@ class RowLoRALayer(LoRALayer):
         h = get_tp_group().all_reduce(h)
         if not self.fully_sharded:
             return lora_expand(y, h, self.lora_b, slots)
-        delta = lora_expand(torch.zeros(y.shape[0], self.lora_b.shape[1], dtype=y.dtype, device=y.device), h, self.lora_b, slots)
+        delta = lora_expand(
+            torch.zeros(y.shape[0], self.lora_b.shape[1], dtype=y.dtype, device=y.device), h, self.lora_b, slots
+        )
         return y + get_tp_group().all_gather(delta, dim=-1)  # [num_tokens, output_size]
 
     def slot_tensors(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +167,8 @@ def add_lora(
     fully_sharded: bool,
 ) -> LoRALayer:
     """Make `layer` a LoRA layer in place, with `max_loras` empty slots."""
+    mixin: type[LoRALayer]
+    slices: tuple[tuple[str | int | None, str], ...]
     if isinstance(layer, QKVParallelLinear):
         mixin, slices = ColumnLoRALayer, _QKV_SLICES
     elif isinstance(layer, MergedColumnParallelLinear) and len(layer.output_sizes) == 2:

@@ -50,7 +50,9 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
         raise ValueError(f"LoRA adapter at {str(folder)!r}: {CONFIG_FILE} is not JSON ({exc})") from None
     peft_type = config.get("peft_type", "LORA")
     _refuse(peft_type != "LORA", folder, f"peft_type {peft_type!r} is not LORA")
-    _refuse(bool(config.get("modules_to_save")), folder, f"modules_to_save {config.get('modules_to_save')} is not supported")
+    _refuse(
+        bool(config.get("modules_to_save")), folder, f"modules_to_save {config.get('modules_to_save')} is not supported"
+    )
     _refuse(bool(config.get("use_dora")), folder, "DoRA (use_dora) is not supported")
     lora_bias = config.get("bias", "none") != "none" or bool(config.get("lora_bias"))
     _refuse(lora_bias, folder, "LoRA biases (bias / lora_bias) are not supported")
@@ -59,9 +61,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
         unknown = sorted(set(targets) - set(TARGET_MODULES))
         _refuse(bool(unknown), folder, f"unknown target modules {unknown}; shoal adapts {list(TARGET_MODULES)}")
     ranks = [int(config.get("r", 8)), *(int(r) for r in (config.get("rank_pattern") or {}).values())]
-    _refuse(
-        max(ranks) > max_lora_rank, folder, f"rank {max(ranks)} is over max_lora_rank={max_lora_rank}"
-    )
+    _refuse(max(ranks) > max_lora_rank, folder, f"rank {max(ranks)} is over max_lora_rank={max_lora_rank}")
     return config
 
 

@@ -72,7 +72,9 @@ class LoRASlots:
         self._check_fits(adapter)
         self.registered[name] = Registered(lora_int_id, path)
         self._cache(adapter)
-        logger.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.rank, len(adapter.modules))
+        logger.info(
+            "LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.rank, len(adapter.modules)
+        )
 
     def remove(self, name: str) -> None:
         if self.registered.pop(name, None) is None:
@@ -98,7 +100,9 @@ class LoRASlots:
         updated = LoRAAdapter(name, adapter.path, adapter.rank, {**adapter.modules, **modules})
         updated.rank = max(a.shape[0] for a, _ in updated.modules.values())
         if updated.rank > self.config.max_lora_rank:
-            raise ValueError(f"LoRA adapter {name!r}: rank {updated.rank} is over max_lora_rank={self.config.max_lora_rank}")
+            raise ValueError(
+                f"LoRA adapter {name!r}: rank {updated.rank} is over max_lora_rank={self.config.max_lora_rank}"
+            )
         self._check_fits(updated)
         self.cpu_cache[name] = updated
         self.pinned.add(name)
@@ -189,7 +193,9 @@ class LoRASlots:
             layer.lora_b[slot].copy_(lora_b)
 
 
-def wrap_layers(model: torch.nn.Module, lora_config: LoRAConfig, token_slots: TokenSlots, dtype: torch.dtype) -> list[LoRALayer]:
+def wrap_layers(
+    model: torch.nn.Module, lora_config: LoRAConfig, token_slots: TokenSlots, dtype: torch.dtype
+) -> list[LoRALayer]:
     """Wrap the model's attention and MLP projections (shoal/lora/layers.py)."""
     lora_dtype = dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
     layers = []

@@ -59,6 +59,10 @@ def _peft_model(base: str, adapter: str) -> torch.nn.Module:
 def peft_greedy(base: str | Path, adapter: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     model = _peft_model(str(base), str(adapter))
     out = model.generate(
-        input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        input_ids=torch.tensor([prompt_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     return out[0, len(prompt_ids) :].tolist()
