@@ -353,17 +353,6 @@ def serving_limits_from(args: argparse.Namespace, parser: argparse.ArgumentParse
     )
 
 
-def lora_modules_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, ...]:
-    from shoal.entrypoints.openai.lora_routes import parse_lora_module
-
-    try:
-        modules = tuple(parse_lora_module(text) for text in args.lora_modules)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if modules and not args.enable_lora:
-        parser.error("--lora-modules needs --enable-lora")
-    return modules
-
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)

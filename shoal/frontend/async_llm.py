@@ -20,8 +20,8 @@ from shoal.errors import EngineDeadError
 from shoal.frontend.beam_search import BeamSearch, step_params
 from shoal.frontend.core_client import AsyncInprocClient, AsyncMPClient
 from shoal.frontend.input_processor import PromptType
-from shoal.frontend.lora_adapters import LoRAAdapters
 from shoal.frontend.llm import profile_directory
+from shoal.frontend.lora_adapters import LoRAAdapters
 from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.stats import IterationStats, StatsTracker

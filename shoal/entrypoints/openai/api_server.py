@@ -65,8 +65,8 @@ from shoal.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from shoal.config import EngineArgs
-    from shoal.lora.request import LoRARequest
     from shoal.frontend.async_llm import AsyncLLM
+    from shoal.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
