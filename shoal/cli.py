@@ -353,7 +353,6 @@ def serving_limits_from(args: argparse.Namespace, parser: argparse.ArgumentParse
     )
 
 
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
