@@ -314,6 +314,13 @@ def add_batch_parser(subparsers: Any) -> None:
         help="engine replicas, each TP x PP in its own placement group, through Ray Data",
     )
     parser.add_argument("--disable-progress-bar", action="store_true", help="no tqdm progress bar")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to load (with --enable-lora); a line's body.model picks one",
+    )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=run_batch_command)
 
@@ -328,6 +335,7 @@ def run_batch_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
             args.output,
             data_parallel_size=args.data_parallel_size,
             use_tqdm=not args.disable_progress_bar,
+            lora_modules=lora_modules_from(args, parser),
         )
     except ValueError as exc:
         parser.exit(2, f"shoal batch: error: {exc}\n")

@@ -58,7 +58,7 @@ def test_adapters_over_http(tiny_checkpoints: dict, server_adapters: dict, tmp_p
 
         # Other requests run (the base model and "first") while "second" is loaded, used, unloaded.
         with ThreadPoolExecutor(4) as pool:
-            others = [pool.submit(_complete, client, m, 48) for m in (str(base), "first", str(base), "first")]
+            others = [pool.submit(_complete, client, m, 24) for m in (str(base), "first", str(base), "first")]
             load = client.post(
                 "/v1/load_lora_adapter", json={"lora_name": "second", "lora_path": str(server_adapters["second"])}
             )
