@@ -9,6 +9,10 @@ its slot.
 are zero-padded in A and B, so the padding adds nothing. Shapes depend only on the batch, never
 on which adapters it holds, so a decode step replays in a CUDA graph with `slots` in a static
 buffer. The references below are static-shape too: every slot's product, masked per token.
+
+A long eager step (prefill chunks) takes the grouped form instead: the step's tokens grouped by
+slot on the host once (`groups`: each slot with its rows), then two GEMMs per adapter present,
+as S-LoRA's prefill does: the per-token kernels would read each adapter's A and B once per token.
 """
 
 from __future__ import annotations
@@ -51,3 +55,20 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, slots: t
     if kernel is None:
         return lora_expand_ref(y, h, lora_b, slots)
     return kernel(y, h, lora_b, slots)  # type: ignore[return-value]
+
+
+def lora_shrink_grouped(x: torch.Tensor, lora_a: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """`lora_shrink` for tokens grouped by slot (`groups`: slot, its rows); h [T, R] in x's dtype."""
+    h = x.new_zeros(x.shape[0], lora_a.shape[1])
+    for slot, rows in groups:
+        h.index_copy_(0, rows, x.index_select(0, rows) @ lora_a[slot].to(x.dtype).T)
+    return h
+
+
+def lora_expand_grouped(
+    y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, groups: list[tuple[int, torch.Tensor]]
+) -> torch.Tensor:
+    """`lora_expand` for tokens grouped by slot; y updated in place and returned."""
+    for slot, rows in groups:
+        y.index_add_(0, rows, (h.index_select(0, rows).to(lora_b.dtype) @ lora_b[slot].T).to(y.dtype))
+    return y

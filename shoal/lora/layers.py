@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.distributed.parallel_state import get_tp_group
-from shoal.kernels.lora import lora_expand, lora_shrink
+from shoal.kernels.lora import lora_expand, lora_expand_grouped, lora_shrink, lora_shrink_grouped
 from shoal.layers.activation import silu_and_mul
 from shoal.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -39,6 +39,28 @@ class TokenSlots:
     # Eager steps in which no token has an adapter skip the deltas (never under CUDA graphs,
     # whose captured forwards must include them).
     active: bool = True
+    # A long eager step's tokens grouped by slot (slot, its rows), for the grouped GEMMs, and
+    # the step's token count they were made for (a forward of another size never uses them: a
+    # CUDA-graph capture of a decode size after a long step does not).
+    groups: list[tuple[int, torch.Tensor]] | None = None
+    groups_num_tokens: int = -1
+
+    def grouped(self, num_tokens: int) -> list[tuple[int, torch.Tensor]] | None:
+        return self.groups if num_tokens == self.groups_num_tokens else None
+
+
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: TokenSlots) -> torch.Tensor:
+    groups = token_slots.grouped(x.shape[0])
+    if groups is not None:
+        return lora_shrink_grouped(x, lora_a, groups)
+    return lora_shrink(x, lora_a, token_slots.slots[: x.shape[0]])
+
+
+def expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_slots: TokenSlots) -> torch.Tensor:
+    groups = token_slots.grouped(y.shape[0])
+    if groups is not None:
+        return lora_expand_grouped(y, h, lora_b, groups)
+    return lora_expand(y, h, lora_b, token_slots.slots[: y.shape[0]])
 
 
 # Each wrapped layer's slices: (the base layer's shard id, the Hugging Face module name's part
@@ -64,9 +86,6 @@ class LoRALayer:
         parent = prefix.rsplit(".", 1)[0]
         return [prefix if not part or fused == part else f"{parent}.{part}" for _, part in self.lora_slices]
 
-    def _slots(self, num_tokens: int) -> torch.Tensor:
-        return self.token_slots.slots[:num_tokens]
-
 
 class ColumnLoRALayer(LoRALayer):
     """QKV and gate-up (column-parallel): y += B_rank (A x)."""
@@ -75,11 +94,10 @@ class ColumnLoRALayer(LoRALayer):
         y = super().forward(x)  # type: ignore[misc]
         if not self.token_slots.active:
             return y
-        slots = self._slots(x.shape[0])
-        h = lora_shrink(x, self.lora_a, slots)  # [num_tokens, num_slices * rank (/ tp when fully sharded)]
+        h = shrink(x, self.lora_a, self.token_slots)  # [num_tokens, num_slices * rank (/ tp: fully sharded)]
         if self.fully_sharded:
             h = get_tp_group().all_gather(h, dim=-1)  # [num_tokens, num_slices * rank]
-        return lora_expand(y, h, self.lora_b, slots)
+        return expand(y, h, self.lora_b, self.token_slots)
 
     def slot_tensors(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (A, B) of one adapter, zero where it has no slice or a smaller rank."""
@@ -127,16 +145,14 @@ class RowLoRALayer(LoRALayer):
         base: RowParallelLinear = self  # type: ignore[assignment]
         if not base.input_is_parallel:
             x = x.narrow(-1, base.tp_rank * base.input_size, base.input_size)
-        slots = self._slots(x.shape[0])
-        h = lora_shrink(x, self.lora_a, slots)  # [num_tokens, rank], this rank's partial sum
+        h = shrink(x, self.lora_a, self.token_slots)  # [num_tokens, rank], this rank's partial sum
         if not base.reduce_results:  # the caller sums the ranks' outputs: the delta's too
-            return lora_expand(y, h, self.lora_b, slots)
+            return expand(y, h, self.lora_b, self.token_slots)
         h = get_tp_group().all_reduce(h)
         if not self.fully_sharded:
-            return lora_expand(y, h, self.lora_b, slots)
-        delta = lora_expand(
-            torch.zeros(y.shape[0], self.lora_b.shape[1], dtype=y.dtype, device=y.device), h, self.lora_b, slots
-        )
+            return expand(y, h, self.lora_b, self.token_slots)
+        zeros = torch.zeros(y.shape[0], self.lora_b.shape[1], dtype=y.dtype, device=y.device)
+        delta = expand(zeros, h, self.lora_b, self.token_slots)
         return y + get_tp_group().all_gather(delta, dim=-1)  # [num_tokens, output_size]
 
     def slot_tensors(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

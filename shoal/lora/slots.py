@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,11 +45,14 @@ class LoRASlots:
         device: torch.device,
         max_num_tokens: int,
         skip_idle_steps: bool,
+        grouped_min_tokens: int,
     ) -> None:
         self.config = lora_config
         self.num_layers = num_layers
         self.token_slots = TokenSlots(torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device))
         self.skip_idle_steps = skip_idle_steps
+        # Steps of more tokens than this (never a CUDA graph's) group their tokens by slot.
+        self.grouped_min_tokens = grouped_min_tokens
         self.token_slots.active = not skip_idle_steps
         self.layers = wrap_layers(model, lora_config, self.token_slots, dtype)
         self.registered: dict[str, Registered] = {}
@@ -135,6 +139,17 @@ class LoRASlots:
             buffer[num_tokens : self._num_tokens_set].fill_(-1)
         self._num_tokens_set = num_tokens
         self.token_slots.active = bool(wanted) or not self.skip_idle_steps
+        self._group_tokens(token_slots, slot_of.values())
+
+    def _group_tokens(self, token_slots: np.ndarray, slots: Iterable[int]) -> None:
+        """A long step's rows of each slot, on the device, for the grouped GEMMs."""
+        buffer = self.token_slots
+        if len(token_slots) < self.grouped_min_tokens:
+            buffer.groups, buffer.groups_num_tokens = None, -1
+            return
+        device = buffer.slots.device
+        buffer.groups = [(slot, torch.from_numpy(np.flatnonzero(token_slots == slot)).to(device)) for slot in slots]
+        buffer.groups_num_tokens = len(token_slots)
 
     def _assign_slots(self, wanted: set[str]) -> dict[str, int]:
         if len(wanted) > self.config.max_loras:

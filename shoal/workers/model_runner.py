@@ -139,6 +139,7 @@ class ModelRunner:
                 self.device,
                 max(self.config.scheduler_config.max_num_batched_tokens, self.config.scheduler_config.max_num_seqs),
                 skip_idle_steps=self.device.type != "cuda" or self.model_config.enforce_eager,
+                grouped_min_tokens=self.config.scheduler_config.max_num_seqs + 1,
             )
 
     def kv_cache_block_bytes(self) -> int:

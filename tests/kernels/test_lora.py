@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from shoal.kernels.lora import (
+    lora_expand,
+    lora_expand_grouped,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_grouped,
+    lora_shrink_ref,
+)
 from tests.kernels.interpreter import needs_triton, run_interpreter_check
 from tests.kernels.lora_cases import CASES, make_inputs, per_token_loop
 
@@ -22,6 +29,16 @@ def test_references_are_the_per_token_loop(case: tuple) -> None:
     tol = _TOLERANCE[case[-1]]
     torch.testing.assert_close(out.float(), per_token_loop(x, lora_a, lora_b, y, slots), rtol=tol, atol=tol)
     assert torch.equal(out[slots < 0], y[slots < 0])  # the base model's tokens are untouched
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_form_is_the_per_token_loop(case: tuple) -> None:
+    x, lora_a, lora_b, y, slots = make_inputs(*case)
+    groups = [(s, torch.nonzero(slots == s).flatten()) for s in slots.unique().tolist() if s >= 0]
+    out = lora_expand_grouped(y.clone(), lora_shrink_grouped(x, lora_a, groups), lora_b, groups)
+    tol = _TOLERANCE[case[-1]]
+    torch.testing.assert_close(out.float(), per_token_loop(x, lora_a, lora_b, y, slots), rtol=tol, atol=tol)
+    assert torch.equal(out[slots < 0], y[slots < 0])
 
 
 @needs_triton

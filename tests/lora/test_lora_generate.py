@@ -31,11 +31,13 @@ def adapters(tiny_checkpoints: dict, tmp_path_factory: pytest.TempPathFactory) -
     }
 
 
+# max_num_seqs=4: steps of more tokens (prefill chunks) take the grouped GEMMs, decodes the
+# per-token form (shoal/kernels/lora.py).
 @pytest.fixture(scope="module")
 def llama_llm(tiny_checkpoints: dict) -> LLM:
     llm = LLM(
         str(tiny_checkpoints["llama"]), multiprocess=False, enable_lora=True, max_loras=2, max_lora_rank=64,
-        max_cpu_loras=3, max_num_batched_tokens=32, block_size=4,
+        max_cpu_loras=3, max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
     )  # fmt: skip
     yield llm
     llm.shutdown()
