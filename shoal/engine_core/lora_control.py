@@ -56,8 +56,18 @@ class LoRAControl:
     def update_lora_from_tensors(self, name: str, payload: bytes) -> str:
         """Replace adapter `name`'s weights by a safetensors `payload` of PEFT-named tensors;
         returns the adapter's new weight version."""
+        return self._update_lora("update_lora_from_tensors", name, payload)
+
+    def update_lora_from_disk(self, name: str, path: str) -> str:
+        """Replace adapter `name` by the adapter saved at `path`; returns its new weight version."""
+        return self._update_lora("update_lora_from_disk", name, path)
+
+    def _update_lora(self, method: str, name: str, source: bytes | str) -> str:
+        """Every worker replaces the adapter in place (requests running with it go on with the
+        new weights from their next step, as a base-model update in place does); a refusal
+        changes nothing. Its blocks in the prefix cache go: they hold the old weights' KV."""
         self._require_lora()
-        errors = [e for e in self.executor.collective_rpc("update_lora_from_tensors", (name, payload)) if e]
+        errors = [e for e in self.executor.collective_rpc(method, (name, source)) if e]
         if errors:
             raise ValueError(errors[0])
         self.lora_versions[name] = self.lora_versions.get(name, 0) + 1

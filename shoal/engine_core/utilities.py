@@ -25,6 +25,7 @@ CORE_UTILITIES = frozenset(
         "remove_lora",
         "list_loras",
         "update_lora_from_tensors",
+        "update_lora_from_disk",
         "get_lora_version",
     }
 )

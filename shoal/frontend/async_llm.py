@@ -251,6 +251,16 @@ class AsyncLLM:
 
         return await self._call("update_lora_from_tensors", lora_name, encode_tensors(named_tensors))
 
+    async def update_lora_weights_from_disk(self, lora_name: str, lora_path: str) -> str:
+        """As `LLM.update_lora_weights_from_disk`."""
+        version = await self._call("update_lora_from_disk", lora_name, lora_path)
+        known = self.lora_adapters.loaded[lora_name]
+        self.lora_adapters.loaded[lora_name] = LoRARequest(lora_name, known.lora_int_id, lora_path)
+        return version
+
+    async def get_lora_version(self, lora_name: str) -> str:
+        return await self._call("get_lora_version", lora_name)
+
     # ---- RL rollouts (docs/rl.md) --------------------------------------------------------------
     # sleep / wake_up, pause_generation / resume_generation, the weight updates, ...: one
     # coroutine method per verb of shoal/rl_verbs.py, made from its declaration

@@ -236,7 +236,16 @@ class LLM:
 
         return self._call("update_lora_from_tensors", lora_name, encode_tensors(named_tensors))
 
+    def update_lora_weights_from_disk(self, lora_name: str, lora_path: str) -> str:
+        """Replace a loaded adapter in place by the one saved at `lora_path` (PEFT's layout);
+        returns the adapter's new weight version."""
+        version = self._call("update_lora_from_disk", lora_name, lora_path)
+        known = self.lora_adapters.loaded[lora_name]
+        self.lora_adapters.loaded[lora_name] = LoRARequest(lora_name, known.lora_int_id, lora_path)
+        return version
+
     def get_lora_version(self, lora_name: str) -> str:
+        """The weight version of a loaded adapter: "0" as loaded, one more after each update."""
         return self._call("get_lora_version", lora_name)
 
     def _lora_names(

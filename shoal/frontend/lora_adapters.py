@@ -1,7 +1,8 @@
 """The frontend's record of the engine's LoRA adapters (name → `LoRARequest`), and the lists of
 `lora_request` that `LLM.generate` takes (one for every prompt, or one per prompt).
 
-A request names an adapter the engine has loaded; `LLM.generate(lora_request=...)` loads the
+A request names an adapter the engine has loaded (by name: the path of a later request with
+the same name is not read again); `LLM.generate(lora_request=...)` loads the
 ones it has not seen first (`add_lora`: a bad adapter is a ValueError before anything is
 queued). The server loads them at start (`--lora-modules`) or through its routes.
 """
@@ -22,14 +23,9 @@ class LoRAAdapters:
         """Whether the engine must load it first; a ValueError if it may not be served."""
         if not self.enabled:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
-        known = self.loaded.get(lora_request.lora_name)
-        if known is None:
-            return True
-        if known.path != lora_request.path:
-            raise ValueError(
-                f"LoRA adapter {lora_request.lora_name!r} is loaded from {known.path!r}, not {lora_request.path!r}"
-            )
-        return False
+        # An adapter is known by its name (as vLLM's by its id): once loaded, a request naming it
+        # runs with what the engine holds, also after an in-place update from another path.
+        return lora_request.lora_name not in self.loaded
 
     def name_of(self, lora_request: LoRARequest | None) -> str | None:
         if lora_request is None:

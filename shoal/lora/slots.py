@@ -99,6 +99,21 @@ class LoRASlots:
         config = read_adapter_config(known.path, self.config.max_lora_rank)
         self._replace_modules(name, modules_from_tensors(named_tensors, config, self.num_layers))
 
+    def update_from_disk(self, name: str, path: str) -> None:
+        """Adapter `name` replaced in place by the adapter at `path` (checked first: a bad one
+        changes nothing); the name stays, later reloads read `path`."""
+        known = self.registered.get(name)
+        if known is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        adapter = load_adapter(name, path, self.config.max_lora_rank, self.num_layers)
+        self._check_fits(adapter)
+        self.registered[name] = Registered(known.lora_int_id, path)
+        self.pinned.discard(name)
+        self._cache(adapter)
+        slot = self.gpu_slots.get(name)
+        if slot is not None:
+            self._write_slot(slot, adapter)
+
     def _replace_modules(self, name: str, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         adapter = self._adapter(name)
         updated = LoRAAdapter(name, adapter.path, adapter.rank, {**adapter.modules, **modules})

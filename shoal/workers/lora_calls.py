@@ -49,3 +49,10 @@ class LoRACalls:
         except ValueError as exc:
             return str(exc)
         return None
+
+    def update_from_disk(self, name: str, path: str) -> str | None:
+        try:
+            self.slots.update_from_disk(name, path)
+        except ValueError as exc:
+            return str(exc)
+        return None

@@ -182,6 +182,9 @@ class Worker:
     def update_lora_from_tensors(self, name: str, payload: bytes) -> str | None:
         return self.lora_calls.update_from_tensors(name, payload)
 
+    def update_lora_from_disk(self, name: str, path: str) -> str | None:
+        return self.lora_calls.update_from_disk(name, path)
+
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold on this worker's device now."""
         return self.sleeper.resident_bytes()

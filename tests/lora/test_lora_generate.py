@@ -137,6 +137,11 @@ def test_adapter_updated_from_tensors_equals_peft_with_the_new_weights(
         bad = {k: (v[:-1] if "down_proj.lora_B" in k else v) for k, v in state.items()}
         llama_llm.update_lora_weights_from_tensors("policy", bad)
     assert _generate(llama_llm, prompts, policy) == after  # a refused update changes nothing
+    # The same new weights from disk (a trainer's save_pretrained): version 2, the same output.
+    assert llama_llm.update_lora_weights_from_disk("policy", str(new)) == "2"
+    assert _generate(llama_llm, prompts, policy) == after
+    with pytest.raises(ValueError, match="has no adapter_config.json"):
+        llama_llm.update_lora_weights_from_disk("policy", str(tmp_path / "nowhere"))
 
 
 def test_bad_adapters_are_refused_and_the_engine_keeps_serving(
