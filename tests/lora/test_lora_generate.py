@@ -140,7 +140,7 @@ def test_adapter_updated_from_tensors_equals_peft_with_the_new_weights(
     # The same new weights from disk (a trainer's save_pretrained): version 2, the same output.
     assert llama_llm.update_lora_weights_from_disk("policy", str(new)) == "2"
     assert _generate(llama_llm, prompts, policy) == after
-    with pytest.raises(ValueError, match="has no adapter_config.json"):
+    with pytest.raises(ValueError, match=r"has no adapter_config\.json"):
         llama_llm.update_lora_weights_from_disk("policy", str(tmp_path / "nowhere"))
 
 
