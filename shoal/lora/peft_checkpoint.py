@@ -56,6 +56,8 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
     _refuse(bool(config.get("use_dora")), folder, "DoRA (use_dora) is not supported")
     lora_bias = config.get("bias", "none") != "none" or bool(config.get("lora_bias"))
     _refuse(lora_bias, folder, "LoRA biases (bias / lora_bias) are not supported")
+    experts = config.get("target_parameters")
+    _refuse(bool(experts), folder, f"LoRA on MoE experts (target_parameters {experts}) is not supported yet")
     targets = config.get("target_modules")
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(TARGET_MODULES))
