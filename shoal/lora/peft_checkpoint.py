@@ -36,6 +36,8 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest rank of its modules
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # What each LoRA layer's slot takes, once checked against the model (shoal/lora/slots.py).
+    slot_form: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:

@@ -62,6 +62,9 @@ class LoRASlots:
         self.gpu_slots: OrderedDict[str, int] = OrderedDict()  # name → slot, least recently used first
         self.req_adapter: dict[str, str] = {}  # request id → adapter name (requests with one)
         self._num_tokens_set = 0
+        pin = device.type == "cuda"
+        self._staging = [torch.empty(max_num_tokens, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._stage_index = 0
 
     # ---- adapters in and out ------------------------------------------------------------------
 
@@ -149,12 +152,20 @@ class LoRASlots:
         token_slots = np.repeat(req_slots, num_scheduled)
         num_tokens = len(token_slots)
         buffer = self.token_slots.slots
-        buffer[:num_tokens].copy_(torch.from_numpy(token_slots), non_blocking=False)
+        buffer[:num_tokens].copy_(self._staged(token_slots), non_blocking=True)
         if self._num_tokens_set > num_tokens:  # a CUDA graph's padding rows: the base model
             buffer[num_tokens : self._num_tokens_set].fill_(-1)
         self._num_tokens_set = num_tokens
         self.token_slots.active = bool(wanted) or not self.skip_idle_steps
         self._group_tokens(token_slots, slot_of.values())
+
+    def _staged(self, token_slots: np.ndarray) -> torch.Tensor:
+        """The host copy of the step's token slots, in one of two pinned staging buffers used in
+        turn on a GPU (a step's copy may still be queued while the next is prepared)."""
+        self._stage_index ^= 1
+        staging = self._staging[self._stage_index][: len(token_slots)]
+        staging.numpy()[:] = token_slots
+        return staging
 
     def _group_tokens(self, token_slots: np.ndarray, slots: Iterable[int]) -> None:
         """A long step's rows of each slot, on the device, for the grouped GEMMs."""
@@ -163,7 +174,12 @@ class LoRASlots:
             buffer.groups, buffer.groups_num_tokens = None, -1
             return
         device = buffer.slots.device
-        buffer.groups = [(slot, torch.from_numpy(np.flatnonzero(token_slots == slot)).to(device)) for slot in slots]
+        pin = device.type == "cuda"
+        groups = []
+        for slot in slots:
+            rows = torch.from_numpy(np.flatnonzero(token_slots == slot))
+            groups.append((slot, (rows.pin_memory() if pin else rows).to(device, non_blocking=True)))
+        buffer.groups = groups
         buffer.groups_num_tokens = len(token_slots)
 
     def _assign_slots(self, wanted: set[str]) -> dict[str, int]:
@@ -210,17 +226,30 @@ class LoRASlots:
 
     def _check_fits(self, adapter: LoRAAdapter) -> None:
         """Every module of the adapter must reach a layer of this model with the layer's shapes
-        (slot_tensors raises ValueError naming the module); modules of layers another pipeline
-        stage holds are left to it."""
+        (slot_tensors raises ValueError naming the module; modules of layers another pipeline
+        stage holds are left to it). The adapter keeps what each layer's slot takes, in the
+        slots' dtype (pinned on a GPU machine), so that a slot is filled by plain copies that
+        do not hold the host up."""
+        pin = self.token_slots.slots.device.type == "cuda"
+        slot_form = []
         for layer in self.layers:
-            layer.slot_tensors(adapter.modules)  # type: ignore[attr-defined]
+            lora_a, lora_b = layer.slot_tensors(adapter.modules)  # type: ignore[attr-defined]
+            lora_a, lora_b = lora_a.to(layer.lora_a.dtype), lora_b.to(layer.lora_b.dtype)
+            slot_form.append((lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b))
+        adapter.slot_form = slot_form
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
-        modules = adapter.modules if adapter is not None else {}
-        for layer in self.layers:
-            lora_a, lora_b = layer.slot_tensors(modules)  # type: ignore[attr-defined]
-            layer.lora_a[slot].copy_(lora_a)
-            layer.lora_b[slot].copy_(lora_b)
+        if adapter is not None and adapter.slot_form is None:
+            self._check_fits(adapter)
+        for i, layer in enumerate(self.layers):
+            if adapter is None:
+                layer.lora_a[slot].zero_()
+                layer.lora_b[slot].zero_()
+                continue
+            assert adapter.slot_form is not None
+            lora_a, lora_b = adapter.slot_form[i]
+            layer.lora_a[slot].copy_(lora_a, non_blocking=True)
+            layer.lora_b[slot].copy_(lora_b, non_blocking=True)
 
 
 def wrap_layers(
