@@ -92,6 +92,8 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await queue.get()
+                if output_kind == OutputKind.CUMULATIVE:
+                    item = _latest(queue, item)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -316,3 +318,12 @@ async def _all_or_none(coroutines: list[Coroutine[Any, Any, T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _latest(queue: asyncio.Queue, item: Any) -> Any:
+    """The newest of the queued cumulative outputs: each holds everything so far, and all share
+    the request's one completion, which later outputs have already updated, so an older output
+    read late would pair its `finished` with a newer completion."""
+    while not queue.empty() and not isinstance(item, BaseException):
+        item = queue.get_nowait()
+    return item

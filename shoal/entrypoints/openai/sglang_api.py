@@ -94,16 +94,21 @@ async def _final(engine: AsyncLLM, request: Request, sample: SampleRequest) -> d
 
 
 async def _stream(engine: AsyncLLM, request: Request, call: GenerateCall) -> AsyncIterator[str]:
-    streams = [_outputs(engine, request, sample) for sample in call.samples]
+    streams = [_events(engine, request, sample) for sample in call.samples]
     try:
-        async for i, output in merge_streams(streams):
-            event = await _answer(engine, call.samples[i], output)
+        async for i, event in merge_streams(streams):
             if not call.is_single:
                 event["index"] = call.samples[i].index
             yield sse_event(event)
     except Exception as exc:  # the status line is sent: an error event, as SGLang's
         yield sse_event({"error": {"message": to_api_error(exc).info.message}})
     yield "data: [DONE]\n\n"
+
+
+async def _events(engine: AsyncLLM, request: Request, sample: SampleRequest) -> AsyncIterator[dict[str, Any]]:
+    """The sample's answers so far, each built as its output arrives (the merge may hold it a while)."""
+    async for output in _outputs(engine, request, sample):
+        yield await _answer(engine, sample, output)
 
 
 async def _outputs(engine: AsyncLLM, request: Request, sample: SampleRequest) -> AsyncIterator[RequestOutput]:
@@ -134,9 +139,11 @@ def _aborted(sample: SampleRequest, last: RequestOutput | None) -> RequestOutput
 async def _answer(engine: AsyncLLM, sample: SampleRequest, output: RequestOutput | None) -> dict[str, Any]:
     if output is None:
         raise RuntimeError("the engine gave no output")
-    spans = output.outputs[0].weight_versions if output.outputs else ()
-    version = spans[-1].version if spans else await engine.get_weight_version()
-    return answer(sample, output, version)
+    # Built before awaiting anything: the output's completion is updated in place as tokens come.
+    result = answer(sample, output, "")
+    if not result["meta_info"]["weight_version"]:
+        result["meta_info"]["weight_version"] = await engine.get_weight_version()
+    return result
 
 
 # ---- abort and cache ----------------------------------------------------------------------------
