@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shoal.logger import configure_logging
+from shoal.lora.request import LoRARequest
 from shoal.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from shoal.sampling_params import BeamSearchParams, SamplingParams
 
@@ -17,6 +18,7 @@ __all__ = [
     "LLM",
     "BeamSearchParams",
     "CompletionOutput",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -74,6 +74,12 @@ _HELP = {
     "(methods: ngram, draft_model, eagle, eagle3, mtp; see docs/spec_decode.md) (default: none)",
     "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call "
     "(default: none)",
+    "enable_lora": "serve LoRA adapters (docs/lora.md)",
+    "max_loras": "LoRA: the most adapters in one step (GPU slots); requests of others wait",
+    "max_lora_rank": "LoRA: the largest adapter rank served",
+    "max_cpu_loras": "LoRA: adapters kept loaded in host memory (default: --max-loras)",
+    "lora_dtype": "LoRA: the adapters' dtype (auto: the model's)",
+    "fully_sharded_loras": "LoRA: split A's rank (column-parallel) and B's output (row-parallel) across TP ranks too",
 }
 # Fields whose flag takes another form than their annotation: a placement group by its name.
 _FLAG_TYPES: dict[str, Any] = {"placement_group": str, "speculative_config": str}
@@ -150,6 +156,18 @@ def add_serve_parser(subparsers: Any) -> None:
         "--enable-rl-endpoints",
         action="store_true",
         help="add the RL rollout routes: /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused",
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to load at start, each name=path (or vLLM's JSON form); the OpenAI model field picks one",
+    )
+    server.add_argument(
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
     )
     limits = parser.add_argument_group("overload limits (docs/serving_limits.md)")
     limits.add_argument(
@@ -247,6 +265,8 @@ def server_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
         enable_rl_endpoints=args.enable_rl_endpoints,
+        lora_modules=lora_modules_from(args, parser),
+        enable_runtime_lora_updating=args.enable_runtime_lora_updating,
         limits=serving_limits_from(args, parser),
         chat=ChatOptions(
             tool_call_parser=args.tool_call_parser,
@@ -254,6 +274,18 @@ def server_args_from(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             reasoning_parser=args.reasoning_parser,
         ),
     )
+
+
+def lora_modules_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, ...]:
+    from shoal.entrypoints.openai.lora_routes import parse_lora_module
+
+    try:
+        modules = tuple(parse_lora_module(text) for text in args.lora_modules)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    return modules
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -284,6 +316,13 @@ def add_batch_parser(subparsers: Any) -> None:
         help="engine replicas, each TP x PP in its own placement group, through Ray Data",
     )
     parser.add_argument("--disable-progress-bar", action="store_true", help="no tqdm progress bar")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to load (with --enable-lora); a line's body.model picks one",
+    )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=run_batch_command)
 
@@ -298,6 +337,7 @@ def run_batch_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
             args.output,
             data_parallel_size=args.data_parallel_size,
             use_tqdm=not args.disable_progress_bar,
+            lora_modules=lora_modules_from(args, parser),
         )
     except ValueError as exc:
         parser.exit(2, f"shoal batch: error: {exc}\n")

@@ -74,6 +74,8 @@ class SchedulerConfig:
     max_model_len: int
     # Schedule step N+1 while step N runs on the device (see docs/async_scheduling.md).
     async_scheduling: bool = False
+    # LoRA: the most adapters running at once (None: no adapters; see lora_admission.py).
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,20 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md): how many adapters one step may mix (`max_loras`, the
+    GPU slots), the largest rank a slot holds, how many loaded adapters the CPU cache keeps."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    # The adapters' weights' dtype ("auto": the model's).
+    lora_dtype: str = "auto"
+    # Column-parallel layers: A split on its rank dimension too; row-parallel: B split on output.
+    fully_sharded_loras: bool = False
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
     device: Device = "cpu"
 
@@ -131,6 +147,7 @@ class EngineConfig:
     device_config: DeviceConfig
     # Speculative decoding (docs/spec_decode.md); None: none.
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: no adapters (enable_lora=False)
 
 
 @dataclass
@@ -178,6 +195,13 @@ class EngineArgs:
     worker_extension_cls: str | None = None
     # Speculative decoding: a dict of SpeculativeConfig's keys, its JSON, or a SpeculativeConfig.
     speculative_config: Any = None
+    # Multi-LoRA serving (vLLM's names; docs/lora.md).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -205,10 +229,29 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=model_config.max_model_len,
                 async_scheduling=self._async_scheduling(device, parallel_config, speculative_config),
+                max_loras=self.max_loras if self.enable_lora else None,
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),
             speculative_config=speculative_config,
+            lora_config=self._lora_config(),
+        )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        max_cpu_loras = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        _require(self.max_loras >= 1, "max_loras must be at least 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank must be at least 1")
+        _require(max_cpu_loras >= self.max_loras, "max_cpu_loras must be at least max_loras")
+        lora_dtype = _DTYPE_ALIASES.get(self.lora_dtype, self.lora_dtype)
+        _require(lora_dtype == "auto" or lora_dtype in DTYPES, f"lora_dtype must be 'auto' or one of {DTYPES}")
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
+            lora_dtype=lora_dtype,
+            fully_sharded_loras=self.fully_sharded_loras,
         )
 
     def _speculative_config(
@@ -223,6 +266,9 @@ class EngineArgs:
         if not isinstance(config, SpeculativeConfig):
             config = SpeculativeConfig.from_json(config)
         config.validate_against(model_config, parallel_config)
+        # Not yet combined: the drafter has no adapters, and the token -> adapter map of a step
+        # does not cover the verified drafts (docs/spec_decode.md, "What composes").
+        _require(not self.enable_lora, "speculative_config cannot be combined with enable_lora yet")
         # The drafts are made on the last stage after sampling; with pp steps in flight the
         # next step of a request is scheduled before they exist (docs/spec_decode.md).
         _require(

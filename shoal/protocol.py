@@ -28,8 +28,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     # The most tokens this request may generate (already capped by max_model_len).
     max_tokens: int
-    # The LoRA adapter to run the request with (None: the base model). Carried to the workers
-    # (`NewRequestData.lora_name`); no adapter is loaded yet.
+    # The LoRA adapter to run the request with (None: the base model), one the engine has loaded
+    # (`add_lora`); carried to the workers (`NewRequestData.lora_name`).
     lora_name: str | None = None
 
 
@@ -62,6 +62,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Kept out of the waiting queue until something other than room is ready: in shoal, a
     # structured-output request whose grammar is being compiled.
     num_deferred_reqs: int = 0
+    # LoRA (vLLM's lora_requests_info): the adapters of the running and the waiting requests.
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    max_loras: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -29,7 +29,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     num_computed_tokens: int
     # The sampler keeps eos (and stop tokens) from being sampled before min_tokens.
     eos_token_id: int | None = None
-    # The LoRA adapter the request runs with (None: the base model). Carried, not used yet.
+    # The LoRA adapter the request runs with (None: the base model): shoal/lora/slots.py.
     lora_name: str | None = None
 
 

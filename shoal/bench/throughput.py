@@ -58,6 +58,19 @@ def add_parser(subparsers: Any) -> None:
         default="none",
         help="json-schema: a JSON schema on every request; both: the workload without, then with it",
     )
+    benchmark.add_argument(
+        "--num-loras",
+        type=int,
+        default=0,
+        help="spread the requests evenly over this many LoRA adapters (turns on --enable-lora; 0: the base model)",
+    )
+    benchmark.add_argument("--lora-rank", type=int, default=16, help="the rank of the adapters written for --num-loras")
+    benchmark.add_argument(
+        "--lora-dir",
+        default=None,
+        help="the adapters, DIR/adapter_{i} (benchmarks/make_lora_adapters.py); missing ones are written there "
+        "(default: a temporary folder)",
+    )
     add_engine_args(parser.add_argument_group("engine (shoal.config.EngineArgs)"))
     parser.set_defaults(handler=main)
 
@@ -95,7 +108,9 @@ def warmup_requests(workload: Workload, vocab_size: int) -> list[BenchRequest]:
     ]
 
 
-def shoal_generate(llm: Any, requests: list[BenchRequest], temperature: float, structured: bool = False) -> list[Any]:
+def shoal_generate(
+    llm: Any, requests: list[BenchRequest], temperature: float, structured: bool = False, loras: list[Any] | None = None
+) -> list[Any]:
     from shoal.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -106,15 +121,21 @@ def shoal_generate(llm: Any, requests: list[BenchRequest], temperature: float, s
         SamplingParams(max_tokens=r.output_len, temperature=temperature, detokenize=False, **constraint)
         for r in requests
     ]
-    return llm.generate(prompts, params, use_tqdm=False)
+    # LoRA: request i runs with adapter i mod N (every adapter loaded before the timed run).
+    lora_request = [loras[i % len(loras)] for i in range(len(requests))] if loras else None
+    return llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
 
 
-def run_shoal(llm: Any, workload: Workload, vocab_size: int, structured: bool = False) -> dict[str, Any]:
+def run_shoal(
+    llm: Any, workload: Workload, vocab_size: int, structured: bool = False, loras: list[Any] | None = None
+) -> dict[str, Any]:
     """One warm-up run of a few requests, then the whole workload, timed."""
-    shoal_generate(llm, warmup_requests(workload, vocab_size), workload.temperature, structured)
+    for lora in loras or ():
+        llm.add_lora(lora)
+    shoal_generate(llm, warmup_requests(workload, vocab_size), workload.temperature, structured, loras)
     before = llm.get_stats()
     start = time.perf_counter()
-    outputs = shoal_generate(llm, workload.requests, workload.temperature, structured)
+    outputs = shoal_generate(llm, workload.requests, workload.temperature, structured, loras)
     elapsed = time.perf_counter() - start
     num_input = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -162,7 +183,12 @@ def run_hf(setup: OfflineSetup, workload: Workload, batch_size: int) -> dict[str
 
 
 def run(
-    setup: OfflineSetup, workload: Workload, backend: str, hf_batch_size: int = 64, structured_output: str = "none"
+    setup: OfflineSetup,
+    workload: Workload,
+    backend: str,
+    hf_batch_size: int = 64,
+    structured_output: str = "none",
+    loras: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Run the workload through each backend (shoal first; unconstrained, then with a JSON
     schema per request, as `structured_output` asks) and build the report."""
@@ -175,7 +201,7 @@ def run(
         vocab_size = setup.config.model_config.vocab_size
         try:
             for structured in {"none": [False], "json-schema": [True], "both": [False, True]}[structured_output]:
-                result = run_shoal(llm, workload, vocab_size, structured)
+                result = run_shoal(llm, workload, vocab_size, structured, loras)
                 results[result["backend"]] = {**result, "engine_start_s": engine_start_s}
         finally:
             llm.shutdown()
@@ -247,13 +273,36 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from shoal.cli import engine_args_from
 
     try:
+        if args.num_loras:
+            args.enable_lora = True
+            args.max_lora_rank = max(args.max_lora_rank, args.lora_rank)
         setup = prepare_offline(engine_args_from(args), args.hardware_bound, args.in_process)
+        loras = bench_loras(setup, args.num_loras, args.lora_rank, args.lora_dir)
         model_config = setup.config.model_config
         workload = build_workload(args, model_config.vocab_size, model_config.max_model_len, setup.tokenizer)
         setup.check_fits(workload.requests)
     except ValueError as exc:
         parser.exit(2, f"shoal bench throughput: error: {exc}\n")
-    report = run(setup, workload, args.backend, args.hf_batch_size, args.structured_output)
+    report = run(setup, workload, args.backend, args.hf_batch_size, args.structured_output, loras)
+    if loras:
+        report["num_loras"], report["lora_rank"] = len(loras), args.lora_rank
     write_json(args.output_json, report)
     print_report(report, setup)
     return 0
+
+
+def bench_loras(setup: OfflineSetup, num_loras: int, rank: int, lora_dir: str | None) -> list[Any]:
+    """The `LoRARequest` of each adapter of a `--num-loras` run, written first where missing."""
+    if num_loras <= 0:
+        return []
+    import tempfile
+
+    from shoal.lora.random_adapters import write_random_adapters
+    from shoal.lora.request import LoRARequest
+
+    model_config = setup.config.model_config
+    root = lora_dir or tempfile.mkdtemp(prefix="shoal-bench-loras-")
+    folders = write_random_adapters(
+        model_config.hf_config, root, num_loras, rank, model_config.dtype, model_config.model
+    )
+    return [LoRARequest(f"adapter_{i}", i + 1, str(folder)) for i, folder in enumerate(folders)]

@@ -24,7 +24,7 @@ from shoal.engine_core.request import Request, RequestStatus
 from shoal.protocol import EngineCoreOutput
 
 if TYPE_CHECKING:
-    from shoal.engine_core.scheduler import ScheduledStep
+    from shoal.engine_core.scheduled_step import ScheduledStep
 
 PAUSE_MODES = ("abort", "wait", "keep")
 

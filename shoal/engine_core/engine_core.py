@@ -20,6 +20,7 @@ from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.engine_core.generation_control import GenerationControl
+from shoal.engine_core.lora_control import LoRAControl
 from shoal.engine_core.request import Request
 from shoal.engine_core.scheduler import Scheduler
 from shoal.engine_core.weight_updates import WeightUpdateControl
@@ -50,7 +51,7 @@ class StepTimes:
         self.execute_s += execute_s
 
 
-class EngineCore(GenerationControl, WeightUpdateControl):
+class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         start = time.perf_counter()
@@ -82,6 +83,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         parallel = config.parallel_config
         self.restart_budget = RestartBudget(parallel.max_worker_restarts, parallel.worker_restart_window_s)
         self._init_generation_control()
+        self.lora_versions: dict[str, int] = {}
         logger.info(
             "Engine core ready in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - start,

@@ -30,6 +30,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     return digest.digest()
 
 
+def adapter_root_hash(lora_name: str | None) -> bytes | None:
+    """The parent of a request's first block: the adapter's (None: the base model's root), so
+    that no block is ever shared between two adapters or an adapter and the base model (the
+    same tokens have other keys and values under another adapter)."""
+    if lora_name is None:
+        return None
+    return hashlib.blake2b(b"shoal-kv-lora:" + lora_name.encode(), digest_size=16).digest()
+
+
 @dataclass
 class PrefixCacheStats:
     """Prompt tokens looked up in the prefix cache, and how many were found."""
@@ -149,5 +158,5 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else adapter_root_hash(request.lora_name)
             hashes.append(hash_block_tokens(parent, tokens[i * self.block_size : (i + 1) * self.block_size]))

@@ -25,18 +25,21 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine_core.admission import Admission, AdmissionControl
 from shoal.engine_core.block_pool import KVCacheBlock
 from shoal.engine_core.kv_cache_manager import KVCacheManager
+from shoal.engine_core.lora_admission import LoRAAdmission
 from shoal.engine_core.request import Request, RequestStatus
+from shoal.engine_core.scheduled_step import ScheduledStep
 from shoal.engine_core.speculation import SpeculativeConfig, SpeculativeScheduling
 from shoal.kv_transfer.connector import tokens_to_load
 from shoal.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from shoal.step import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+__all__ = ["ScheduledStep", "Scheduler"]
 
 if TYPE_CHECKING:
     from shoal.kv_transfer.connector import KVConnector
@@ -45,24 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledStep:
-    """One step as the scheduler builds it, kept until its output is applied."""
-
-    budget: int  # tokens the step may still take
-    weight_version: str  # the weights the step runs with
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    # The requests it was built for: an output must reach the request it was computed for,
-    # not a new one that reuses an aborted request's id.
-    requests: dict[str, Request] = field(default_factory=dict)
-    # Its prefill chunks: request id -> (first position, how many prompt tokens).
-    prompt_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # the drafts it verifies
-
-
-class Scheduler(AdmissionControl, SpeculativeScheduling):
+class Scheduler(AdmissionControl, SpeculativeScheduling, LoRAAdmission):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -77,6 +63,7 @@ class Scheduler(AdmissionControl, SpeculativeScheduling):
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.async_scheduling = scheduler_config.async_scheduling
+        self.max_loras = scheduler_config.max_loras  # LoRA: adapters at once (lora_admission.py)
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -194,8 +181,8 @@ class Scheduler(AdmissionControl, SpeculativeScheduling):
         the budget, the blocks and max_num_seqs allow; with `started_only`, only the preempted
         ones (they wait at the front)."""
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            if started_only and request.status != RequestStatus.PREEMPTED:
+            request = self._next_waiting()  # the head, unless its adapter must wait (max_loras)
+            if request is None or (started_only and request.status != RequestStatus.PREEMPTED):
                 break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             # KV transfer: tokens after the hit whose KV can be loaded rather than computed.
@@ -205,7 +192,7 @@ class Scheduler(AdmissionControl, SpeculativeScheduling):
             num_slots = num_loaded_tokens + num_new_tokens + self.num_lookahead_slots
             if self.kv_cache_manager.allocate_slots(request, num_slots, hit_blocks, num_hit_tokens) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
@@ -441,6 +428,7 @@ class Scheduler(AdmissionControl, SpeculativeScheduling):
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=num_generation_tokens,
+            **self.lora_stats(),
         )
 
     def reset_prefix_cache(self) -> bool:

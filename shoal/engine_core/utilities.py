@@ -14,7 +14,21 @@ from shoal import rl_verbs
 if TYPE_CHECKING:
     from shoal.engine_core.engine_core import EngineCore
 
-CORE_UTILITIES = frozenset({"collective_rpc", "reset_prefix_cache", "get_stats", "check_health"})
+CORE_UTILITIES = frozenset(
+    {
+        "collective_rpc",
+        "reset_prefix_cache",
+        "get_stats",
+        "check_health",
+        # LoRA adapters (engine_core/lora_control.py)
+        "add_lora",
+        "remove_lora",
+        "list_loras",
+        "update_lora_from_tensors",
+        "update_lora_from_disk",
+        "get_lora_version",
+    }
+)
 
 
 def call_utility(core: EngineCore, method: str, args: Sequence[Any]) -> Any:

@@ -40,6 +40,7 @@ from shoal.entrypoints.openai.serving_completion import OpenAIServingCompletion
 if TYPE_CHECKING:
     from shoal.config import EngineArgs
     from shoal.frontend.async_llm import AsyncLLM
+    from shoal.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +140,11 @@ def run_batch(
     data_parallel_size: int = 1,
     chat_options: ChatOptions | None = None,
     use_tqdm: bool = True,
+    lora_modules: tuple[LoRARequest, ...] = (),
 ) -> int:
     """Answer every request of `input_path` not yet in `output_path`, appending a line to it as
     each finishes. With `data_parallel_size` > 1, through that many engine replicas on Ray Data.
+    `lora_modules`: LoRA adapters to load first, which a line's `body.model` chooses by name.
     Returns the number of lines written."""
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
@@ -151,8 +154,11 @@ def run_batch(
     if data_parallel_size > 1:
         from shoal.entrypoints.batch_data_parallel import run_data_parallel
 
+        if lora_modules:
+            raise ValueError("LoRA adapters (--lora-modules) are served by one engine: drop --data-parallel-size")
+
         return run_data_parallel(engine_args, pending, output_path, data_parallel_size, chat_options, use_tqdm)
-    return asyncio.run(_run_one_engine(engine_args, pending, output_path, chat_options, use_tqdm))
+    return asyncio.run(_run_one_engine(engine_args, pending, output_path, chat_options, use_tqdm, lora_modules))
 
 
 async def _run_one_engine(
@@ -161,12 +167,19 @@ async def _run_one_engine(
     output_path: str | Path,
     chat_options: ChatOptions | None,
     use_tqdm: bool,
+    lora_modules: tuple[LoRARequest, ...] = (),
 ) -> int:
     from tqdm import tqdm
 
+    from shoal.entrypoints.openai.lora_routes import load_lora_modules
     from shoal.frontend.async_llm import AsyncLLM
 
     engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        await load_lora_modules(engine, lora_modules)
+    except BaseException:
+        engine.shutdown()
+        raise
     runner = BatchRunner(engine, chat_options)
     writer = ResultWriter(output_path)
     progress = tqdm(total=len(pending), desc="requests", unit="req", disable=not use_tqdm)

@@ -21,10 +21,12 @@ from shoal.frontend.beam_search import BeamSearch, step_params
 from shoal.frontend.core_client import AsyncInprocClient, AsyncMPClient
 from shoal.frontend.input_processor import PromptType
 from shoal.frontend.llm import profile_directory
+from shoal.frontend.lora_adapters import LoRAAdapters
 from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.stats import IterationStats, StatsTracker
 from shoal.frontend.verb_methods import async_method, install_verb_methods
+from shoal.lora.request import LoRARequest
 from shoal.outputs import PositionLogprobs, RequestOutput
 from shoal.protocol import SchedulerStats
 from shoal.sampling_params import BeamSearchParams, SamplingParams
@@ -48,6 +50,7 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._handler: asyncio.Task | None = None
         self._dead: EngineDeadError | None = None
+        self.lora_adapters = LoRAAdapters(self.config.lora_config is not None)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess: bool = True) -> AsyncLLM:
@@ -73,13 +76,18 @@ class AsyncLLM:
         request_id: str,
         *,
         output_kind: OutputKind = OutputKind.DELTA,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they come; the last one has `finished=True`."""
+        """Yield the request's outputs as they come; the last one has `finished=True`.
+        `lora_request`: the adapter to run it with (loaded first if the engine has not seen it)."""
         self._check_alive()
         text, token_ids = self.input_processor.tokenize(prompt)
         self.input_processor.validate_prompt(token_ids)
         self.input_processor.validate_params(sampling_params)  # cached: the server checked it already
-        queue = self._add_request(request_id, text, token_ids, sampling_params, output_kind)
+        if lora_request is not None:
+            await self.add_lora(lora_request)
+        lora_name = self.lora_adapters.name_of(lora_request)
+        queue = self._add_request(request_id, text, token_ids, sampling_params, output_kind, lora_name)
         finished = False
         try:
             while not finished:
@@ -129,7 +137,13 @@ class AsyncLLM:
         return logprobs[0] if logprobs else {}
 
     def _add_request(
-        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, kind: OutputKind
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        kind: OutputKind,
+        lora_name: str | None = None,
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -138,7 +152,9 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         arrival = time.time()
-        requests = [self.input_processor.process(child_id, token_ids, p, arrival) for child_id, p in children]
+        requests = [
+            self.input_processor.process(child_id, token_ids, p, arrival, lora_name) for child_id, p in children
+        ]
         self._stats.add_prompt([r.request_id for r in requests], arrival, len(token_ids), requests[0].max_tokens)
         for request in requests:
             self.engine_core.add_request(request)
@@ -213,6 +229,39 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
+
+    # ---- LoRA adapters (docs/lora.md) ------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """As `LLM.add_lora` (a ValueError for a bad adapter; the engine keeps serving)."""
+        if self.lora_adapters.needs_loading(lora_request):
+            await self._call("add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.path)
+            self.lora_adapters.loaded[lora_request.lora_name] = lora_request
+        return True
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        await self._call("remove_lora", lora_name)
+        self.lora_adapters.loaded.pop(lora_name, None)
+        return True
+
+    async def list_loras(self) -> dict[str, int]:
+        return await self._call("list_loras")
+
+    async def update_lora_weights_from_tensors(self, lora_name: str, named_tensors: Any) -> str:
+        """As `LLM.update_lora_weights_from_tensors`."""
+        from shoal.lora.tensors import encode_tensors
+
+        return await self._call("update_lora_from_tensors", lora_name, encode_tensors(named_tensors))
+
+    async def update_lora_weights_from_disk(self, lora_name: str, lora_path: str) -> str:
+        """As `LLM.update_lora_weights_from_disk`."""
+        version = await self._call("update_lora_from_disk", lora_name, lora_path)
+        known = self.lora_adapters.loaded[lora_name]
+        self.lora_adapters.loaded[lora_name] = LoRARequest(lora_name, known.lora_int_id, lora_path)
+        return version
+
+    async def get_lora_version(self, lora_name: str) -> str:
+        return await self._call("get_lora_version", lora_name)
 
     # ---- RL rollouts (docs/rl.md) --------------------------------------------------------------
     # sleep / wake_up, pause_generation / resume_generation, the weight updates, ...: one

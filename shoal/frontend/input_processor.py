@@ -59,6 +59,7 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> EngineCoreRequest:
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
@@ -73,6 +74,7 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             max_tokens=max_tokens,
+            lora_name=lora_name,
         )
 
     def validate_params(self, params: SamplingParams) -> None:

@@ -23,9 +23,11 @@ from shoal.frontend.beam_search import BeamSearch, BeamSearchOutput, step_params
 from shoal.frontend.chat import Conversation, render_chat
 from shoal.frontend.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from shoal.frontend.input_processor import PromptType
+from shoal.frontend.lora_adapters import LoRAAdapters, as_lora_list
 from shoal.frontend.output_processor import OutputKind
 from shoal.frontend.startup import start_engine
 from shoal.frontend.verb_methods import install_verb_methods, sync_method
+from shoal.lora.request import LoRARequest
 from shoal.outputs import PositionLogprobs, RequestOutput
 from shoal.sampling_params import BeamSearchParams, SamplingParams
 
@@ -59,6 +61,7 @@ class LLM:
             self.engine_core, EngineArgs(model=model, **kwargs)
         )
         self._request_counter = itertools.count()
+        self.lora_adapters = LoRAAdapters(self.config.lora_config is not None)
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -67,13 +70,16 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched by the engine; outputs come back in
-        the order of the prompts."""
+        the order of the prompts. `lora_request`: the adapter of every prompt, or a list with one
+        per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        lora_names = self._lora_names(lora_request, len(prompt_list))
         tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
-        return self._run(tokenized, params_list, use_tqdm)
+        return self._run(tokenized, params_list, use_tqdm, lora_names)
 
     def chat(
         self,
@@ -84,6 +90,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the chat template (which
         also renders `tools`, OpenAI's function definitions, where it knows how)."""
@@ -92,7 +99,8 @@ class LLM:
             render_chat(self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs, tools)
             for c in conversations  # type: ignore[arg-type]
         ]
-        return self._run(rendered, _as_params_list(sampling_params, len(rendered)), use_tqdm)
+        lora_names = self._lora_names(lora_request, len(rendered))
+        return self._run(rendered, _as_params_list(sampling_params, len(rendered)), use_tqdm, lora_names)
 
     def beam_search(
         self,
@@ -123,7 +131,11 @@ class LLM:
         return [search.output(self.tokenizer) for search in searches]
 
     def _run(
-        self, prompts: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        lora_names: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         for (_, token_ids), params in zip(prompts, params_list):
             # Fail before anything is queued.
@@ -131,18 +143,21 @@ class LLM:
             self.input_processor.validate_params(params)
         self._check_not_held()
         order = {}
-        for (text, token_ids), params in zip(prompts, params_list):
+        for (text, token_ids), params, lora_name in zip(prompts, params_list, lora_names or [None] * len(prompts)):
             request_id = str(next(self._request_counter))
             order[request_id] = len(order)
-            self._add_request(request_id, text, token_ids, params)
+            self._add_request(request_id, text, token_ids, params, lora_name)
         finished = self._run_engine(len(prompts), use_tqdm)
         return sorted(finished, key=lambda o: order[o.request_id])
 
-    def _add_request(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+    def _add_request(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams, lora_name: str | None
+    ) -> None:
         children = self.output_processor.add_request(request_id, text, token_ids, params, OutputKind.FINAL_ONLY)
         arrival = time.time()
         for child_id, child_params in children:
-            self.engine_core.add_request(self.input_processor.process(child_id, token_ids, child_params, arrival))
+            request = self.input_processor.process(child_id, token_ids, child_params, arrival, lora_name)
+            self.engine_core.add_request(request)
 
     def _run_engine(self, num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
@@ -193,6 +208,53 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
+
+    # ---- LoRA adapters (docs/lora.md) ------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the adapter on every worker (a ValueError says what is wrong with a bad one)."""
+        if self.lora_adapters.needs_loading(lora_request):
+            self._call("add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.path)
+            self.lora_adapters.loaded[lora_request.lora_name] = lora_request
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        self._call("remove_lora", lora_name)
+        self.lora_adapters.loaded.pop(lora_name, None)
+        return True
+
+    def list_loras(self) -> dict[str, int]:
+        """Adapter name → lora_int_id, as the engine holds them."""
+        return self._call("list_loras")
+
+    def update_lora_weights_from_tensors(self, lora_name: str, named_tensors: Any) -> str:
+        """Replace a loaded adapter's weights in place (RL: a LoRA policy after a training step):
+        `named_tensors` (pairs or a dict) named as PEFT names them (`...q_proj.lora_A.weight`,
+        `get_peft_model_state_dict`), scaled by the adapter's adapter_config.json. Returns the
+        adapter's new weight version."""
+        from shoal.lora.tensors import encode_tensors
+
+        return self._call("update_lora_from_tensors", lora_name, encode_tensors(named_tensors))
+
+    def update_lora_weights_from_disk(self, lora_name: str, lora_path: str) -> str:
+        """Replace a loaded adapter in place by the one saved at `lora_path` (PEFT's layout);
+        returns the adapter's new weight version."""
+        version = self._call("update_lora_from_disk", lora_name, lora_path)
+        known = self.lora_adapters.loaded[lora_name]
+        self.lora_adapters.loaded[lora_name] = LoRARequest(lora_name, known.lora_int_id, lora_path)
+        return version
+
+    def get_lora_version(self, lora_name: str) -> str:
+        """The weight version of a loaded adapter: "0" as loaded, one more after each update."""
+        return self._call("get_lora_version", lora_name)
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[str | None]:
+        requests = as_lora_list(lora_request, num_prompts)
+        for request in {r.lora_name: r for r in requests if r is not None}.values():
+            self.add_lora(request)
+        return [self.lora_adapters.name_of(r) for r in requests]
 
     # ---- RL rollouts (docs/rl.md) --------------------------------------------------------------
     # sleep / wake_up, pause_generation / resume_generation, the weight updates, ...: one method

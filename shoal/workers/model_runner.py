@@ -31,6 +31,7 @@ from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
+from shoal.lora.slots import LoRASlots
 from shoal.sampling_params import SamplingParams
 from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
@@ -119,6 +120,8 @@ class ModelRunner:
         # Speculative decoding: drafts into the batch, verification, the proposer (None: off).
         spec = config.speculative_config
         self.speculation: SpeculativeStep | None = SpeculativeStep(spec, self) if spec is not None else None
+        # Multi-LoRA: the adapters' slots and each step's token -> slot map (shoal/lora/slots.py).
+        self.lora: LoRASlots | None = None
 
     @property
     def is_sampling_rank(self) -> bool:
@@ -133,6 +136,17 @@ class ModelRunner:
         self.model = get_model(self.model_config, self.device, self.config.parallel_config)
         if self.speculation is not None:
             self.speculation.load_model(self.model)
+        if self.config.lora_config is not None:
+            self.lora = LoRASlots(
+                self.model,
+                self.config.lora_config,
+                self.model_config.num_layers,
+                self.dtype,
+                self.device,
+                max(self.config.scheduler_config.max_num_batched_tokens, self.config.scheduler_config.max_num_seqs),
+                skip_idle_steps=self.device.type != "cuda" or self.model_config.enforce_eager,
+                grouped_min_tokens=self.config.scheduler_config.max_num_seqs + 1,
+            )
 
     def kv_cache_block_bytes(self) -> int:
         """Bytes of one KV block across this worker's attention layers, by each layer's
@@ -325,6 +339,8 @@ class ModelRunner:
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
+        if self.lora is not None:
+            self.lora.prepare_step(scheduler_output, num_scheduled)
 
         # Token t belongs to request req_index[t] and sits at positions[t] in its sequence.
         req_index = np.repeat(np.arange(len(req_ids)), num_scheduled)  # [num_tokens]

@@ -24,6 +24,7 @@ from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
 from shoal.step import GrammarBitmask, SchedulerOutput
 from shoal.workers.cpu_threads import default_cpu_threads
+from shoal.workers.lora_calls import LoRACalls
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
 from shoal.workers.sleep import KV_CACHE, WEIGHTS, WorkerSleep
@@ -50,6 +51,7 @@ class Worker:
         # memory, which KV-cache sizing does not charge to the engine (gpu_memory.py).
         self.device_used_at_start_bytes = 0
         self.weight_updates = WeightUpdates(self)
+        self.lora_calls = LoRACalls(self)
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -165,6 +167,23 @@ class Worker:
 
     def check_health(self) -> bool:
         return True
+
+    # LoRA adapters (shoal/workers/lora_calls.py): an error string, None when done.
+
+    def add_lora(self, name: str, lora_int_id: int, path: str) -> str | None:
+        return self.lora_calls.add(name, lora_int_id, path)
+
+    def remove_lora(self, name: str) -> str | None:
+        return self.lora_calls.remove(name)
+
+    def list_loras(self) -> dict[str, int]:
+        return self.lora_calls.list()
+
+    def update_lora_from_tensors(self, name: str, payload: bytes) -> str | None:
+        return self.lora_calls.update_from_tensors(name, payload)
+
+    def update_lora_from_disk(self, name: str, path: str) -> str | None:
+        return self.lora_calls.update_from_disk(name, path)
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold on this worker's device now."""

@@ -32,6 +32,7 @@ from starlette.responses import Response
 import shoal
 from shoal import envs
 from shoal.entrypoints.openai.errors import bad_request, engine_dead, install_exception_handlers
+from shoal.entrypoints.openai.lora_routes import load_lora_modules, lora_router
 from shoal.entrypoints.openai.metrics import ServerMetrics
 from shoal.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from shoal.entrypoints.openai.openapi import (
@@ -65,6 +66,7 @@ from shoal.errors import EngineDeadError
 if TYPE_CHECKING:
     from shoal.config import EngineArgs
     from shoal.frontend.async_llm import AsyncLLM
+    from shoal.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,9 @@ class ServerArgs:
     graceful_shutdown_timeout_s: int = 5
     # The RL rollout routes (sleep, wake_up, pause, resume, ...): off unless asked for.
     enable_rl_endpoints: bool = False
+    # LoRA adapters loaded at start (--lora-modules), and the load / unload routes.
+    lora_modules: tuple[LoRARequest, ...] = ()
+    enable_runtime_lora_updating: bool = False
     # Chat outputs: tool calls and reasoning (see serving_chat.ChatOptions).
     chat: ChatOptions = dataclasses.field(default_factory=ChatOptions)
     # Overload: waiting requests, request and stream-stall timeouts (serving_limits.py).
@@ -116,6 +121,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await load_lora_modules(engine, args.lora_modules)
         task = asyncio.create_task(stats_logger.run()) if args.stats_interval_s > 0 else None
         try:
             yield
@@ -147,6 +153,8 @@ def build_app(engine: AsyncLLM, args: ServerArgs | None = None, shutdown_engine:
         from shoal.entrypoints.openai import rl_routes
 
         app.include_router(rl_routes.rl_router())
+    if args.enable_runtime_lora_updating:
+        app.include_router(lora_router())
     install_exception_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=args.max_request_body_bytes)
     if args.api_key:
@@ -220,13 +228,17 @@ async def load(request: Request) -> ServerLoad:
 
 @router.get("/v1/models", responses=error_responses(*READ_ERRORS))
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_model_card(request)])
+    """The served model, then each LoRA adapter (its `parent` the served model)."""
+    base = _model_card(request)
+    adapters = _state(request).engine.lora_adapters.loaded.values()
+    cards = [ModelCard(id=a.lora_name, root=a.path, parent=base.id, max_model_len=base.max_model_len) for a in adapters]
+    return ModelList(data=[base, *cards])
 
 
 @router.get("/v1/models/{model:path}", responses=error_responses(*READ_ERRORS, 400, 404))
 async def retrieve_model(model: Annotated[str, Path(min_length=1, max_length=1024)], request: Request) -> ModelCard:
     _state(request).completion.check_model(model)
-    return _model_card(request)
+    return next(card for card in (await list_models(request)).data if card.id == model)
 
 
 def _model_card(request: Request) -> ModelCard:

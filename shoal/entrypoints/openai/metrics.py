@@ -125,6 +125,14 @@ class ServerMetrics:
         self.num_requests_waiting_by_reason = {
             reason: waiting_by_reason.labels(model_name, reason) for reason in WAITING_REASONS
         }
+        # vLLM's LoRA gauge, which Kubernetes routers read: one series, its labels the adapters of
+        # the running and the waiting requests (comma-separated) and max_lora, its value the time.
+        self.lora_requests_info = Gauge(
+            "shoal:lora_requests_info",
+            "Running and waiting LoRA adapters (as labels), and the value's time of the report.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
         if cache_config_info is not None:
             info = {key: str(value) for key, value in cache_config_info.items()}
             cache_config = Gauge(
@@ -150,6 +158,8 @@ class ServerMetrics:
                     "num_deferred_reqs": scheduler_stats.num_deferred_reqs,
                 }
             )
+            if scheduler_stats.max_loras:
+                self.set_lora_info(scheduler_stats)
             num_step_tokens = scheduler_stats.num_prompt_tokens + scheduler_stats.num_generation_tokens
             if num_step_tokens:  # (an idle engine's reports are no steps)
                 self.iteration_tokens.observe(num_step_tokens)
@@ -175,6 +185,12 @@ class ServerMetrics:
             self.request_params_n.observe(prompt.n)
             self.request_params_max_tokens.observe(prompt.max_tokens)
             self.request_max_num_generation_tokens.observe(prompt.max_num_generation_tokens)
+
+    def set_lora_info(self, stats: SchedulerStats) -> None:
+        self.lora_requests_info.clear()
+        self.lora_requests_info.labels(
+            str(stats.max_loras), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)
+        ).set_to_current_time()
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Gauges and cumulative counters from the engine core's counters (`AsyncLLM.get_stats`)."""

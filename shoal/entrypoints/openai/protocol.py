@@ -616,6 +616,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "shoal"
     root: str | None = None
+    # A LoRA adapter's base model (None: a base model).
+    parent: str | None = None
     max_model_len: int | None = None
 
 

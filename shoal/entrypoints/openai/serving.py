@@ -94,7 +94,8 @@ class OpenAIServing:
             ticket.release()
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        """The served model's name, or one of its LoRA adapters' (a 404 otherwise)."""
+        if name is not None and name != self.model_name and name not in self.engine.lora_adapters.loaded:
             raise model_not_found(name)
 
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -157,11 +158,16 @@ class OpenAIServing:
         kind: OutputKind,
         n: int,
         num_logprobs: int | None,
+        model: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt: sampled, or (`BeamSearchParams`) the best `n`
-        beams in one output, with `num_logprobs` logprobs per position."""
+        beams in one output, with `num_logprobs` logprobs per position. A `model` naming a LoRA
+        adapter runs it with the adapter."""
+        lora_request = self.engine.lora_adapters.loaded.get(model) if model is not None else None
         if isinstance(params, SamplingParams):
-            return self.engine.generate(prompt, params, request_id, output_kind=kind)
+            return self.engine.generate(prompt, params, request_id, output_kind=kind, lora_request=lora_request)
+        if lora_request is not None:
+            raise bad_request("beam search with a LoRA adapter is not supported", "model")
         return _best_beams(self.engine.beam_search(prompt, request_id, params), n, num_logprobs)
 
 

@@ -103,7 +103,7 @@ class _Chat:
     def generate(self, serving: OpenAIServing, kind: OutputKind) -> AsyncIterator[RequestOutput]:
         request = self.request
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        return serving.generate(self.prompt, self.params, self.request_id, kind, request.n, num_logprobs)
+        return serving.generate(self.prompt, self.params, self.request_id, kind, request.n, num_logprobs, request.model)
 
     def choice_output(self) -> ChoiceOutput:
         return ChoiceOutput(self.reasoning, self.tools.parser)

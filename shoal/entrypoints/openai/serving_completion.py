@@ -126,6 +126,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 kind,
                 request.n,
                 request.logprobs,
+                request.model,
             )
             for i, (text, token_ids) in enumerate(prompts)
         ]
