@@ -97,6 +97,22 @@ class LogprobsLists(msgspec.Struct, array_like=True, frozen=True):
         return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end])
 
 
+class RoutedExperts(msgspec.Struct, array_like=True, frozen=True):
+    """The experts a mixture-of-experts model routed positions `start` .. `start + num_tokens`
+    of one request to: `expert_ids` is int32 [num_tokens, num_layers, top_k] in C order, one
+    row per decoder layer (-1 in layers without routed experts), each the router's top-k in its
+    own order. Positions are the sequence's (prompt, then output tokens)."""
+
+    start: int
+    num_layers: int
+    top_k: int
+    expert_ids: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.expert_ids) // (4 * self.num_layers * self.top_k)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """The sampled tokens of one step, aligned with `req_ids` (an empty list for a request
     whose prompt is not finished yet)."""
@@ -108,3 +124,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     # Per request, the rows of the prompt positions computed this step (position 0 excluded).
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
     step_id: int = 0
+    # Per request that asked for them (`return_routed_experts`) and sampled this step: the
+    # experts of its positions computed since it last sampled.
+    routed_experts: dict[str, RoutedExperts] = msgspec.field(default_factory=dict)

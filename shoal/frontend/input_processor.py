@@ -87,6 +87,13 @@ class InputProcessor:
             bad = next((t for t in token_ids or () if t >= vocab_size), None)
             if bad is not None:
                 raise ValueError(f"SamplingParams.{name} token id {bad} is out of the vocabulary [0, {vocab_size})")
+        if params.return_routed_experts:
+            from shoal.layers.moe.routing import num_routed_experts
+
+            if num_routed_experts(self.model_config.hf_config) == 0:
+                raise ValueError(
+                    "SamplingParams.return_routed_experts needs a mixture-of-experts model, and this one has none"
+                )
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer, and this model has none")

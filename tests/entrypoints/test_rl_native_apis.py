@@ -140,7 +140,7 @@ def test_generate_streams_as_sglang_does(http: httpx.Client) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "says"),
     [
-        ("/generate", {"text": PROMPT, "return_routed_experts": True}, "routed experts"),
+        ("/generate", {"text": PROMPT, "return_routed_experts": True}, "mixture-of-experts model"),
         ("/generate", {"text": PROMPT, "input_ids": [1, 2]}, "exactly one of text and input_ids"),
         ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "beam": 2}}, "'beam'"),
         ("/generate", {"text": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),

@@ -3,7 +3,8 @@ what the verbs' routes of shoal/rl_verbs.py do not spell already (/sleep, /wake_
 /is_sleeping, /pause, /resume are shoal's and vLLM's alike):
 
 - `POST /inference/v1/generate`: token ids in and out (vLLM's `GenerateRequest`: `token_ids`,
-  `sampling_params` by vLLM's names, `request_id`), each choice with shoal's `weight_versions`;
+  `sampling_params` by vLLM's names, `request_id`), each choice with shoal's `weight_versions`
+  (and, with `sampling_params.return_routed_experts`, its `routed_experts`);
 - `POST /abort_requests {request_ids?}`, `POST /reset_prefix_cache`, `POST /collective_rpc
   {method, args, kwargs, timeout}`, `GET /get_world_size`;
 - the four-phase weight transfer TRL's async GRPO drives: `POST /init_weight_transfer_engine
@@ -124,6 +125,10 @@ def _choice(completion: CompletionOutput, params: SamplingParams, aborted: bool)
         # shoal's: which weights sampled which tokens (indices into token_ids).
         "weight_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in completion.weight_versions],
     }
+    if params.return_routed_experts:
+        # [position][layer][k]: prompt positions, then output tokens but the last; -1 in dense layers.
+        ids = completion.routed_experts
+        choice["routed_experts"] = ids.tolist() if ids is not None else None
     if params.logprobs is not None and completion.logprobs:
         choice["logprobs"] = {
             "content": [_logprob(t, p, params.logprobs) for t, p in zip(completion.token_ids, completion.logprobs)]
