@@ -36,6 +36,7 @@ from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
 from shoal.workers.grammar_bitmask import StructuredSampling
 from shoal.workers.input_batch import InputBatch, RequestState
+from shoal.workers.logprobs_mode import prompt_values
 from shoal.workers.routed_experts import RoutedExpertsRecorder
 from shoal.workers.sampler import (
     Sampler,
@@ -104,7 +105,7 @@ class ModelRunner:
             max_blocks_per_req=self.max_blocks_per_req,
             device=device,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model_config.logprobs_mode)
         # Structured output: a step's grammar bitmask, and a step whose bitmask follows it.
         self.structured: StructuredSampling[_LogitsOfStep] = StructuredSampling(scheduler_config.max_num_seqs, device)
         # The row counts the LM head runs at (see `_logits`): the decode graphs' batch sizes.
@@ -570,7 +571,7 @@ class ModelRunner:
         for req_id, rows, targets in inputs.prompt_logprob_rows:
             num_logprobs = self.input_batch.requests[req_id].sampling_params.prompt_logprobs or 0
             logits = self._model.compute_logits(hidden_states[self._to_device(rows)])
-            logprobs = logits.float().log_softmax(dim=-1)  # [num_rows, vocab]
+            logprobs = prompt_values(self.sampler.logprobs_mode, logits)  # [num_rows, vocab]
             target = self._to_device(targets)[:, None]
             target_lp = logprobs.gather(-1, target)
             ranks = (logprobs > target_lp).sum(dim=-1) + 1
