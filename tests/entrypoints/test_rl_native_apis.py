@@ -15,6 +15,7 @@ Bad requests are 400s that leave the engine serving."""
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 import time
@@ -152,7 +153,8 @@ def test_generate_streams_as_sglang_does(http: httpx.Client) -> None:
         ("/release_memory_occupation", {"tags": ["activations"]}, "unknown memory tags"),
         ("/update_weights_from_disk", {"model_path": "/no/such/folder"}, "no/such/folder"),
         ("/update_weights_from_disk", {"model_path": "/no/such/folder", "load_format": "gguf"}, "load_format"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}, "pickles"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}, "cannot be read"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="], "load_format": "x"}, "unknown load_format"),
         ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}, "group"),
         ("/abort_request", {}, "rid or abort_all"),
         ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}, "token_ids"),
@@ -285,6 +287,49 @@ def test_areal_sglang_backend(http: httpx.Client, tiny_model_path: str, tmp_path
 
 def PROMPT_IDS(http: httpx.Client) -> list[int]:
     return http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+
+
+def test_sglang_update_weights_from_tensor(http: httpx.Client, tiny_model_path: str, tmp_path) -> None:
+    """A trainer in another process on the same host sends SGLang's payloads: direct (name,
+    tensor) pairs, then a flattened bucket, shared through torch's file_system strategy; the
+    engine then answers as after a disk update of the same weights. Payloads it cannot or will not
+    read are 400s that change nothing."""
+    import os
+    import pickle
+
+    import torch.multiprocessing
+
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    before = generate(http, **body)["output_ids"]
+    trainer = Trainer(tiny_model_path)
+    trainer.train_step(seed=7)
+    named = list(trainer.weights.items())
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    try:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+        refused = http.post(
+            "/update_weights_from_tensor", json={"serialized_named_tensors": [clients.sglang_serialize(named)]}
+        )
+        assert refused.status_code == 400 and "file_system" in refused.text
+        evil = base64.b64encode(pickle.dumps(os.system)).decode()
+        refused = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+        assert refused.status_code == 400 and "not a tensor" in refused.text
+        assert generate(http, **body)["output_ids"] == before
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        half = len(named) // 2
+        direct = {"serialized_named_tensors": [clients.sglang_serialize(named[:half])] * 2, "flush_cache": False}
+        assert http.post("/update_weights_from_tensor", json=direct).json()["success"] is True
+        bucket = clients.sglang_serialize(clients.sglang_flattened_bucket(named[half:]))
+        flattened = {"serialized_named_tensors": [bucket], "load_format": "flattened_bucket", "weight_version": "t-1"}
+        assert http.post("/update_weights_from_tensor", json=flattened).json()["weight_version"] == "t-1"
+        changed = generate(http, **body)
+        assert changed["output_ids"] != before and changed["meta_info"]["weight_version"] == "t-1"
+        http.post("/update_weights_from_disk", json={"model_path": trainer.save(str(tmp_path / "step"))})
+        assert generate(http, **body)["output_ids"] == changed["output_ids"]
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+        http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
+    assert generate(http, **body)["output_ids"] == before
 
 
 # ---- TRL ----------------------------------------------------------------------------------------
