@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.entrypoints import framework_clients as clients
@@ -154,7 +155,11 @@ def test_generate_streams_as_sglang_does(http: httpx.Client) -> None:
         ("/update_weights_from_disk", {"model_path": "/no/such/folder"}, "no/such/folder"),
         ("/update_weights_from_disk", {"model_path": "/no/such/folder", "load_format": "gguf"}, "load_format"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}, "cannot be read"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="], "load_format": "x"}, "unknown load_format"),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": ["eA=="], "load_format": "x"},
+            "unknown load_format",
+        ),
         ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}, "group"),
         ("/abort_request", {}, "rid or abort_all"),
         ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}, "token_ids"),
@@ -379,6 +384,65 @@ def test_trl_async_grpo_client(native_server: ServerProcess, http: httpx.Client,
         changed = generate(http, **body)
         assert changed["output_ids"] != before
         assert changed["meta_info"]["weight_version"] != "0"
+    finally:
+        http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
+    assert generate(http, **body)["output_ids"] == before
+
+
+def test_vllm_ipc_weight_transfer(
+    native_server: ServerProcess, http: httpx.Client, tiny_model_path: str, tmp_path
+) -> None:
+    """vLLM's "ipc" backend through TRL's client: the update_info a vLLM trainer builds
+    (per-tensor `reduce_tensor` handles, pickled and base64-encoded; on a CPU the storages by
+    value), then a packed one; the engine then answers as after a disk update of the same weights."""
+    vllm_client = pytest.importorskip("trl.experimental.async_grpo.vllm_client")
+    import pickle
+
+    from accelerate import PartialState
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    PartialState()
+    client = vllm_client.VLLMClient(native_server.url, server_timeout=30)
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    before = generate(http, **body)["output_ids"]
+    trainer = Trainer(tiny_model_path)
+    trainer.train_step(seed=11)
+    named = list(trainer.weights.items())
+    half = len(named) // 2
+
+    def update_info(pairs, packed: bool) -> dict:
+        info = {
+            "names": [n for n, _ in pairs],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs],
+        }
+        if packed:
+            flat = torch.cat([t.flatten() for _, t in pairs])
+            info["sizes"] = [t.numel() for _, t in pairs]
+            handles = {"cpu": reduce_tensor(flat)}
+        else:
+            handles = [{"cpu": reduce_tensor(t.contiguous())} for _, t in pairs]
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("utf-8")
+        return info
+
+    try:
+        client.pause()
+        client.init_weight_transfer_engine({})
+        client.start_weight_update()
+        client.update_weights(update_info(named[:half], packed=False))
+        client.update_weights(update_info(named[half:], packed=True))
+        client.finish_weight_update()
+        client.resume()
+        changed = generate(http, **body)["output_ids"]
+        assert changed != before
+        http.post("/update_weights_from_disk", json={"model_path": trainer.save(str(tmp_path / "step"))})
+        assert generate(http, **body)["output_ids"] == changed
+        client.start_weight_update()
+        bad = update_info(named[:1], packed=False)
+        bad["shapes"] = [[1]]
+        response = http.post("/update_weights", json={"update_info": bad})
+        assert response.status_code == 400 and "update_info says" in response.text
+        client.finish_weight_update()
     finally:
         http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
     assert generate(http, **body)["output_ids"] == before

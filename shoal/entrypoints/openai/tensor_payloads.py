@@ -9,9 +9,16 @@ Two payloads (SGLang's `load_format`):
   `m` (SGLang's `FlattenedTensorMetadata`) naming a tensor by `name`, `shape`, `dtype` and its
   bytes `start_idx:end_idx`.
 
+vLLM's "ipc" weight transfer sends `update_info.ipc_handles_pickled`: base64 of a plain pickle
+of one `{device_uuid: (rebuild function, args)}` per tensor (`torch.multiprocessing.reductions.
+reduce_tensor`; a CPU tensor's storage then travels by value), or of one such dict for a packed
+tensor that `sizes` cut in order.
+
 A pickle can run any code, so these are read by an unpickler that rebuilds only what torch's
-reductions and those payloads need (torch's tensor and storage rebuilders, dtypes, `Size`, the
-metadata records) and refuses every other global: a payload that names one is a ValueError.
+reductions and those payloads need (torch's tensor and storage rebuilders, a storage's bytes
+through `torch.load(weights_only=True)`, dtypes, `Size`, the metadata records) and refuses every
+other global: a payload that names one is a ValueError. A rebuild function is called only if it
+is one of torch's.
 """
 
 from __future__ import annotations
@@ -51,10 +58,17 @@ class TensorMetadata:
     end_idx: int
 
 
+def _storage_from_bytes(data: bytes) -> Any:
+    """A storage pickled by value (torch's `_load_from_bytes`), read without running code."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 class _TensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if name == "FlattenedTensorMetadata":
@@ -129,3 +143,47 @@ def _flattened(payload: Any) -> list[tuple[str, torch.Tensor]]:
         part = flat[start:end]
         tensors.append((str(m.name), (part.view(m.dtype) if by_bytes else part).view(shape)))
     return tensors
+
+
+def vllm_ipc_tensors(update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a vLLM "ipc" `update_info` (names, dtype_names, shapes,
+    ipc_handles_pickled; `sizes` when packed)."""
+    names, dtypes, shapes = update_info.get("names"), update_info.get("dtype_names"), update_info.get("shapes")
+    handles = load_payload(update_info.get("ipc_handles_pickled") or "")
+    if isinstance(handles, dict):  # packed: one tensor, cut by `sizes` (elements) in order
+        sizes = update_info.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) != len(names):
+            raise ValueError("a packed ipc update needs sizes, one per name")
+        flat = _rebuild(handles).flatten()
+        parts = flat.split([int(n) for n in sizes]) if sum(sizes) == flat.numel() else None
+        if parts is None:
+            raise ValueError(f"the packed tensor has {flat.numel()} elements, sizes add up to {sum(sizes)}")
+        tensors = list(parts)
+    elif isinstance(handles, list) and len(handles) == len(names):
+        tensors = [_rebuild(h) for h in handles]
+    else:
+        raise ValueError("ipc_handles_pickled must hold one handle per name, or one packed handle")
+    out = []
+    for name, dtype, shape, tensor in zip(names, dtypes, shapes, tensors, strict=True):
+        if str(tensor.dtype).removeprefix("torch.") != dtype or tensor.numel() != math.prod(shape):
+            raise ValueError(
+                f"{name!r}: the handle holds {tensor.dtype} x {tensor.numel()}, update_info says {dtype} {shape}"
+            )
+        out.append((str(name), tensor.view(shape)))
+    return out
+
+
+def _rebuild(handle: Any) -> torch.Tensor:
+    """One `{device: (function, args)}` handle: the only device's (or "cpu"'s) tensor."""
+    if not isinstance(handle, dict) or not handle:
+        raise ValueError("an ipc handle must be {device uuid: (rebuild function, args)}")
+    entry = handle["cpu"] if "cpu" in handle else next(iter(handle.values())) if len(handle) == 1 else None
+    if entry is None:
+        raise ValueError(f"handles for {len(handle)} devices: send the one of the engine's device")
+    function, args = entry
+    if getattr(function, "__module__", None) != "torch.multiprocessing.reductions":
+        raise ValueError("an ipc handle's function must be one of torch's rebuilders")
+    tensor = function(*args)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError("an ipc handle did not rebuild a tensor")
+    return tensor
