@@ -389,6 +389,39 @@ def test_trl_async_grpo_client(native_server: ServerProcess, http: httpx.Client,
     assert generate(http, **body)["output_ids"] == before
 
 
+def test_trl_weight_transfer_of_shoal(
+    native_server: ServerProcess, http: httpx.Client, tiny_model_path: str, tmp_path
+) -> None:
+    """`shoal.integrations.trl.ShoalWeightTransfer`, what AsyncGRPOTrainer takes as its
+    `weight_transfer`, over TRL's own VLLMClient: TRL's iterator streamed in chunks, one
+    /update_weights each; the engine then answers as after a disk update of the same weights."""
+    vllm_client = pytest.importorskip("trl.experimental.async_grpo.vllm_client")
+    from accelerate import PartialState
+
+    from shoal.integrations.trl import ShoalWeightTransfer
+
+    PartialState()
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    before = generate(http, **body)["output_ids"]
+    trainer = Trainer(tiny_model_path)
+    trainer.train_step(seed=13)
+    transfer = ShoalWeightTransfer(vllm_client.VLLMClient(native_server.url), backend="gloo", bucket_bytes=256 << 10)
+    try:
+        transfer.init_weight_transfer()
+        transfer.pause()
+        transfer.send_weights(iter(trainer.weights.items()))
+        transfer.resume()
+        changed = generate(http, **body)["output_ids"]
+        assert changed != before
+        http.post("/update_weights_from_disk", json={"model_path": trainer.save(str(tmp_path / "step"))})
+        assert generate(http, **body)["output_ids"] == changed
+    finally:
+        transfer.destroy()
+        http.post("/destroy_weight_update_group")
+        http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
+    assert generate(http, **body)["output_ids"] == before
+
+
 def test_vllm_ipc_weight_transfer(
     native_server: ServerProcess, http: httpx.Client, tiny_model_path: str, tmp_path
 ) -> None:
