@@ -28,6 +28,15 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 	# Mistral-7B's SentencePiece tokenizer file, for the detokenizer's spacing tests (the wheel
 	# only: installed, mistral-common would change how transformers loads Mistral tokenizers).
 	$(BIN)/pip download -q --no-deps mistral-common==1.13.1 -d $(VENV)/test-data
+	# veRL, for shoal's veRL integration test (tests/integrations/test_verl.py): its pins
+	# (transformers<5.11) cannot sit beside shoal's, but the classes it integrates through import
+	# without them. So it goes, without its dependencies but the few that import needs, into a
+	# folder of its own that only that test puts on the path (its wheel also ships a top-level
+	# `tests` package, removed here, that would shadow shoal's).
+	$(BIN)/pip install -q --no-deps --target $(VENV)/verl-site verl==0.9.1 hydra-core==1.3.8 omegaconf==2.4.0 \
+		antlr4-python3-runtime==4.9.3 codetiming==1.4.0 tensordict==0.10.0 pyvers==0.2.3 torchdata==0.11.0 \
+		pylatexenc==2.11 dill==0.4.1 cloudpickle==3.1.3
+	rm -rf $(VENV)/verl-site/tests
 	touch $(TEST_STAMP)
 
 install: $(STAMP)

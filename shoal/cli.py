@@ -19,7 +19,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shoal.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, PLACEMENT_STRATEGIES, EngineArgs
+from shoal.config import DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS, LOGPROBS_MODES, PLACEMENT_STRATEGIES, EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "distributed_executor_backend": EXECUTOR_BACKENDS,
     "device": ("auto", "cpu", "cuda"),
     "placement_strategy": PLACEMENT_STRATEGIES,
+    "logprobs_mode": LOGPROBS_MODES,
 }
 _HELP = {
     "model": "a local Hugging Face folder (config.json, safetensors, tokenizer) (default: the demo model)",

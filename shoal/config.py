@@ -23,6 +23,8 @@ LOAD_FORMATS = ("auto", "dummy")
 EXECUTOR_BACKENDS = ("uni", "ray")
 # How Ray spreads an engine's worker bundles over nodes (Ray's placement-group strategies).
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# What returned logprobs are (vLLM's names): shoal/workers/logprobs_mode.py.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -45,6 +47,8 @@ class ModelConfig:
     # On a GPU: weights and KV cache in memory pools that keep their addresses across
     # sleep / wake_up, so the CUDA graphs need no recapture (see shoal/workers/sleep.py).
     enable_sleep_mode: bool = False
+    # What returned logprobs are (vLLM's names; shoal/workers/logprobs_mode.py).
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def num_layers(self) -> int:
@@ -202,6 +206,8 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
     fully_sharded_loras: bool = False
+    # What returned logprobs are: raw_logprobs, processed_logprobs, raw_logits, processed_logits.
+    logprobs_mode: str = "raw_logprobs"
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -269,6 +275,10 @@ class EngineArgs:
         # Not yet combined: the drafter has no adapters, and the token -> adapter map of a step
         # does not cover the verified drafts (docs/spec_decode.md, "What composes").
         _require(not self.enable_lora, "speculative_config cannot be combined with enable_lora yet")
+        _require(
+            self.logprobs_mode == "raw_logprobs",
+            "speculative_config returns raw logprobs only for now: logprobs_mode must be 'raw_logprobs'",
+        )
         # The drafts are made on the last stage after sampling; with pp steps in flight the
         # next step of a request is scheduled before they exist (docs/spec_decode.md).
         _require(
@@ -327,6 +337,7 @@ class EngineArgs:
             )
         _require(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}")
         quantization = _resolve_quantization(self.quantization, hf_config)
+        _require(self.logprobs_mode in LOGPROBS_MODES, f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}")
         return ModelConfig(
             model=model,
             tokenizer=self.tokenizer or model,
@@ -341,6 +352,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             enable_sleep_mode=self.enable_sleep_mode,
             quantization=quantization,
+            logprobs_mode=self.logprobs_mode,
         )
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:

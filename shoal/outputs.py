@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 # Per position: token id → its logprob (the sampled or actual token first, then the top-N).
 PositionLogprobs = dict[int, "Logprob"]
 
@@ -37,6 +39,11 @@ class CompletionOutput:
     # Which weight version sampled which of `token_ids`: spans covering them in order (one span
     # unless the weights changed while the request ran).
     weight_versions: tuple[WeightVersionSpan, ...] = ()
+    # With `return_routed_experts` on a mixture-of-experts model: the experts each position
+    # (prompt, then output tokens but the last) was routed to, int32 [num_positions,
+    # num_hidden_layers, top_k], -1 in layers without routed experts; `shoal.rl.routing_masks`
+    # turns them into a trainer's masks.
+    routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

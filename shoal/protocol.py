@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from shoal.sampling_params import SamplingParams
-from shoal.step import LogprobsLists
+from shoal.step import LogprobsLists, RoutedExperts
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -43,6 +43,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     # When the request was first scheduled (set on its finishing output, for queue-time stats).
     first_scheduled_time: float | None = None
+    # The experts of the positions computed since the last output (`return_routed_experts`).
+    new_routed_experts: RoutedExperts | None = None
 
     @property
     def finished(self) -> bool:

@@ -56,6 +56,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     # The output must match a JSON schema, regex, choice or grammar (vLLM's structured outputs).
     structured_outputs: StructuredOutputsParams | None = None
+    # Mixture-of-experts models: return the experts each position was routed to in each layer
+    # (`CompletionOutput.routed_experts`; SGLang's `return_routed_experts`). Such a request
+    # computes its whole prompt (no prefix-cache hit), as a request for prompt logprobs does.
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

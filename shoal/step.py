@@ -97,6 +97,22 @@ class LogprobsLists(msgspec.Struct, array_like=True, frozen=True):
         return LogprobsLists(self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end])
 
 
+class RoutedExperts(msgspec.Struct, array_like=True, frozen=True):
+    """The experts a mixture-of-experts model routed positions `start` .. `start + num_tokens`
+    of one request to: `expert_ids` is int32 [num_tokens, num_layers, top_k] in C order, one
+    row per decoder layer (-1 in layers without routed experts), each the router's top-k in its
+    own order. Positions are the sequence's (prompt, then output tokens)."""
+
+    start: int
+    num_layers: int
+    top_k: int
+    expert_ids: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.expert_ids) // (4 * self.num_layers * self.top_k)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """The sampled tokens of one step, aligned with `req_ids` (an empty list for a request
     whose prompt is not finished yet)."""
@@ -112,3 +128,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, fro
     # empty when the engine does not speculate). `sampled_token_ids` then holds a request's
     # accepted drafts and one more token.
     spec_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # Per request that asked for them (`return_routed_experts`) and sampled this step: the
+    # experts of its positions computed since it last sampled.
+    routed_experts: dict[str, RoutedExperts] = msgspec.field(default_factory=dict)

@@ -30,6 +30,7 @@ from shoal.step import (
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
+    RoutedExperts,
     SchedulerOutput,
 )
 
@@ -153,7 +154,16 @@ EXAMPLES: list[msgspec.Struct] = [
         logprobs={"req-2": LOGPROBS.slice(0, 1)},
         prompt_logprobs={"req-1": LOGPROBS},
         step_id=9,
+        routed_experts={
+            "req-2": RoutedExperts(start=3, num_layers=2, top_k=1, expert_ids=b"\x01\0\0\0\xff\xff\xff\xff")
+        },
     ),
+    EngineCoreOutput(
+        request_id="req-6",
+        new_token_ids=[5],
+        new_routed_experts=RoutedExperts(start=0, num_layers=1, top_k=2, expert_ids=bytes(range(8))),
+    ),
+    RoutedExperts(start=7, num_layers=3, top_k=1, expert_ids=bytes(12)),
     Abort(request_ids=["req-1", "req-2"]),
     UtilityRequest(call_id=3, method="collective_rpc", args=["report_device", [], None, 5.0]),
     UtilityOutput(call_id=3, result=[{"rank": 0}, "cpu"], error=None),

@@ -22,6 +22,7 @@ from shoal.config import EngineConfig
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.lora_control import LoRAControl
 from shoal.engine_core.request import Request
+from shoal.engine_core.routed_experts import attach_routed_experts
 from shoal.engine_core.scheduler import Scheduler
 from shoal.engine_core.weight_updates import WeightUpdateControl
 from shoal.engine_core.worker_restarts import RestartBudget
@@ -139,7 +140,7 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         except WorkerDiedError as exc:
             return self.recover_from_worker_death(exc)
         execute_s = time.perf_counter() - execute_start
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = attach_routed_experts(self.scheduler.update_from_output(scheduler_output, model_output), model_output)
         self.step_times.record(time.perf_counter() - start, execute_s)
         return outputs
 
@@ -169,7 +170,7 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         except WorkerDiedError as exc:
             return self.recover_from_worker_death(exc)
         wait_s = time.perf_counter() - wait_start
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = attach_routed_experts(self.scheduler.update_from_output(scheduler_output, model_output), model_output)
         self._send_owed_grammar()
         # The engine's own time for this step is scheduling it and applying its output; the
         # launch and the wait are the workers'.

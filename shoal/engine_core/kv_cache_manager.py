@@ -138,8 +138,10 @@ class KVCacheManager:
             self.num_cached_blocks[request_id] = len(blocks)
 
     def _uses_prefix_cache(self, request: Request) -> bool:
-        # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
-        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need the logits of every prompt position, and routed experts the
+        # router's choice at every position, so nothing may be skipped.
+        params = request.sampling_params
+        return self.enable_caching and params.prompt_logprobs is None and not params.return_routed_experts
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register the blocks that are full once `num_tokens` tokens are computed."""

@@ -22,6 +22,7 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.speculates = False  # set from the engine's config (speculative decoding on)
         self.eos_token_id: int | None = tokenizer.eos_token_id if tokenizer is not None else None
         extra = [t for t in generation_eos_token_ids(model_config.model) if t != self.eos_token_id]
         self.extra_eos_token_ids = extra
@@ -89,6 +90,15 @@ class InputProcessor:
             bad = next((t for t in token_ids or () if t >= vocab_size), None)
             if bad is not None:
                 raise ValueError(f"SamplingParams.{name} token id {bad} is out of the vocabulary [0, {vocab_size})")
+        if params.return_routed_experts:
+            from shoal.layers.moe.routing import num_routed_experts
+
+            if num_routed_experts(self.model_config.hf_config) == 0:
+                raise ValueError(
+                    "SamplingParams.return_routed_experts needs a mixture-of-experts model, and this one has none"
+                )
+            if self.speculates:  # the verified drafts' routing is not yet told from the accepted tokens'
+                raise ValueError("SamplingParams.return_routed_experts does not run with speculative decoding yet")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer, and this model has none")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.frontend.detokenizer import IncrementalDetokenizer
+from shoal.frontend.routed_experts import RoutedExpertsBuffer
 from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, WeightVersionSpan
 from shoal.protocol import EngineCoreOutput
 from shoal.sampling_params import SamplingParams, offset_seed
@@ -89,6 +90,7 @@ class ChildState:
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
     weight_versions: WeightVersions = field(default_factory=WeightVersions)
+    routed_experts: RoutedExpertsBuffer | None = None  # when the request asked for them
 
 
 @dataclass
@@ -149,6 +151,8 @@ class OutputProcessor:
                 parent.completions[index].cumulative_logprob = 0.0
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params)
             self.children[child_id] = ChildState(parent, index, child_params, detokenizer)
+            if params.return_routed_experts:
+                self.children[child_id].routed_experts = RoutedExpertsBuffer()
             children.append((child_id, child_params))
         return children
 
@@ -193,6 +197,8 @@ class OutputProcessor:
             completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
                 row[0] for row in output.new_logprobs.logprobs
             )
+        if output.new_routed_experts is not None and child.routed_experts is not None:
+            child.routed_experts.write(output.new_routed_experts)
         # The core finishes with "stop" only on eos or a stop token id (stop strings are ours).
         stop_terminated = output.finish_reason == "stop"
         stop_string = child.detokenizer.update(
@@ -207,6 +213,7 @@ class OutputProcessor:
         if finish_reason is not None:
             completion.finish_reason, completion.stop_reason = finish_reason, stop_reason
             completion.weight_versions = versions.spans(0, len(completion.token_ids))
+            completion.routed_experts = child.routed_experts.array() if child.routed_experts else None
             parent.num_finished += 1
             self.children.pop(output.request_id, None)
             if parent.finished:
@@ -234,6 +241,8 @@ class OutputProcessor:
         else:
             completion = parent.completions[child.index]
             completion.weight_versions = child.weight_versions.spans(0, len(completion.token_ids))
+            if child.routed_experts is not None:
+                completion.routed_experts = child.routed_experts.array()
             completions = [completion]
         return RequestOutput(
             request_id=parent.request_id,
@@ -261,6 +270,8 @@ class OutputProcessor:
             finish_reason=full.finish_reason,
             stop_reason=full.stop_reason,
             weight_versions=spans,
+            # The whole array so far (positions are not a completion's tokens).
+            routed_experts=child.routed_experts.array() if child.routed_experts else None,
         )
         child.num_sent_tokens = len(full.token_ids)
         child.num_sent_logprobs = len(full.logprobs or ())

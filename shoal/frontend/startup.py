@@ -23,6 +23,7 @@ def start_engine(client: Any, engine_args: EngineArgs) -> tuple[EngineConfig, An
         client.start(config)
         tokenizer = get_tokenizer(config.model_config.tokenizer)
         input_processor, output_processor = InputProcessor(config.model_config, tokenizer), OutputProcessor(tokenizer)
+        input_processor.speculates = config.speculative_config is not None
         client.wait_until_ready()
     except BaseException:
         client.shutdown()

@@ -37,6 +37,8 @@ from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.workers.cuda_graphs import CudaGraphRunner, capture_sizes, padding_rows, round_up_to_size
 from shoal.workers.grammar_bitmask import StructuredSampling
 from shoal.workers.input_batch import InputBatch, RequestState
+from shoal.workers.logprobs_mode import prompt_values
+from shoal.workers.routed_experts import RoutedExpertsRecorder
 from shoal.workers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -105,12 +107,16 @@ class ModelRunner:
             max_blocks_per_req=self.max_blocks_per_req,
             device=device,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model_config.logprobs_mode)
         # Structured output: a step's grammar bitmask, and a step whose bitmask follows it.
         self.structured: StructuredSampling[_LogitsOfStep] = StructuredSampling(scheduler_config.max_num_seqs, device)
         # The row counts the LM head runs at (see `_logits`): the decode graphs' batch sizes.
         self.logits_row_counts = capture_sizes(scheduler_config.max_num_seqs)
         self.model: torch.nn.Module | None = None
+        # Mixture-of-experts models: the routers' choices for the requests that ask for them;
+        # a step that records them runs eagerly (the routers' hooks must run).
+        self.routed_experts: RoutedExpertsRecorder | None = None
+        self.records_routing = False
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
         # The last step's sampled tokens on the device, and by input batch row (slot) the row
@@ -147,6 +153,7 @@ class ModelRunner:
                 skip_idle_steps=self.device.type != "cuda" or self.model_config.enforce_eager,
                 grouped_min_tokens=self.config.scheduler_config.max_num_seqs + 1,
             )
+        self.routed_experts = RoutedExpertsRecorder.for_model(self.model, self.model_config.num_layers)
 
     def kv_cache_block_bytes(self) -> int:
         """Bytes of one KV block across this worker's attention layers, by each layer's
@@ -274,6 +281,7 @@ class ModelRunner:
         """Run one step. With `non_block` return as soon as it is launched: a `SampledStep`
         whose `result()` waits for the device and reads the sampled tokens back."""
         slots = self.input_batch.update(scheduler_output)
+        asking = self._asking_for_routed_experts(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], step_id=scheduler_output.step_id)
             return FinishedStep(empty) if non_block else empty
@@ -282,7 +290,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output, slots)
         if self.speculation is not None:
             inputs = self.speculation.lay_out(inputs, scheduler_output)
-        hidden_states = self._forward(inputs)
+        hidden_states = self._forward_recording_routing(inputs, asking) if asking else self._forward(inputs)
         if not get_pp_group().is_last_rank:
             self._send_intermediate_tensors(hidden_states)
             return None
@@ -309,6 +317,30 @@ class ModelRunner:
         intermediate_tensors = self._recv_intermediate_tensors(md.num_tokens)
         with set_forward_context(md):
             return self._model(inputs.input_ids, inputs.positions, intermediate_tensors)
+
+    def _asking_for_routed_experts(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """The batch indices of the step's requests whose routed experts are recorded (on the
+        rank that returns tokens); usually none."""
+        recorder = self.routed_experts
+        if recorder is None or not self.is_sampling_rank:
+            return []
+        recorder.update(scheduler_output)
+        asking = recorder.asking_in(scheduler_output.scheduled_req_ids)
+        self.records_routing = bool(asking)
+        return asking
+
+    def _forward_recording_routing(
+        self, inputs: StepInputs, asking: list[int]
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The forward, with the routers' top-k ids kept for the requests at `asking`."""
+        assert self.routed_experts is not None
+        with self.routed_experts.capture(True) as captured:
+            hidden_states = self._forward(inputs)
+        md = inputs.attn_metadata
+        query_start_loc = md.query_start_loc_cpu.tolist()
+        first_positions = (md.seq_lens_cpu - md.query_start_loc_cpu.diff()).tolist()
+        self.routed_experts.keep_rows(captured, inputs.req_ids, asking, query_start_loc, first_positions)
+        return hidden_states
 
     def _recv_intermediate_tensors(self, num_tokens: int) -> dict[str, torch.Tensor] | None:
         """The previous pipeline stage's {"hidden_states", "residual"}, each [num_tokens,
@@ -408,7 +440,7 @@ class ModelRunner:
     def _graph_size(self, num_reqs: int, num_tokens: int) -> int | None:
         """The captured batch size a step replays at: a decode (one token per request) within
         the captured sizes; None when it runs eagerly."""
-        if self.cuda_graphs is None or num_tokens != num_reqs:
+        if self.cuda_graphs is None or num_tokens != num_reqs or self.records_routing:
             return None
         return self.cuda_graphs.padded_size(num_reqs)
 
@@ -539,7 +571,8 @@ class ModelRunner:
                 metadata = self.structured.apply(metadata, grammar, inputs.sampling_req_ids)
             result = self.sampler(logits, metadata)
         self.keep_samples(inputs.sampling_slots, result.sampled_token_ids if result is not None else None)
-        return SampledStep(inputs.req_ids, states, result, step.prompt_logprobs, step.step_id)
+        routed = self.routed_experts.take_sampled(inputs.sampling_req_ids) if self.routed_experts else {}
+        return SampledStep(inputs.req_ids, states, result, step.prompt_logprobs, step.step_id, routed)
 
     def sampling_metadata(self, inputs: StepInputs, states: list[RequestState], vocab_size: int) -> SamplingMetadata:
         """The step's sampling metadata: a plain batch's came with its inputs; the rest are built
@@ -576,7 +609,7 @@ class ModelRunner:
         for req_id, rows, targets in inputs.prompt_logprob_rows:
             num_logprobs = self.input_batch.requests[req_id].sampling_params.prompt_logprobs or 0
             logits = self._model.compute_logits(hidden_states[self._to_device(rows)])
-            logprobs = logits.float().log_softmax(dim=-1)  # [num_rows, vocab]
+            logprobs = prompt_values(self.sampler.logprobs_mode, logits)  # [num_rows, vocab]
             target = self._to_device(targets)[:, None]
             target_lp = logprobs.gather(-1, target)
             ranks = (logprobs > target_lp).sum(dim=-1) + 1

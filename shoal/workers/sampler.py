@@ -9,7 +9,8 @@ exponential race (argmax of p / q, q ~ Exp(1)), equivalent to drawing from p; a 
 seed draws its q from its own generator, so its tokens do not depend on what else is batched.
 
 Logprobs come from the raw logits, before any of the above but the grammar (vLLM V1's
-convention).
+convention), unless the engine's `logprobs_mode` asks for logits or for the processed values
+(shoal/workers/logprobs_mode.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from shoal.kernels.gumbel_sample import fused_sampling_kernel
 from shoal.step import LogprobsLists
 from shoal.workers.input_batch import RequestState
+from shoal.workers.logprobs_mode import is_raw, processed_values, raw_values
 
 
 @dataclass
@@ -211,6 +213,10 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        self.logprobs_mode = logprobs_mode
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.token_bitmask is not None:
             logits = apply_token_bitmask(logits, metadata.token_bitmask, metadata.bitmask_rows)
@@ -218,18 +224,30 @@ class Sampler(torch.nn.Module):
         if sampled is not None:
             return SamplerOutput(sampled_token_ids=sampled)
         logits = logits.float()  # [num_rows, vocab_size]
-        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs >= 0 else None
+        wants_logprobs = metadata.max_num_logprobs >= 0
+        raw = raw_values(self.logprobs_mode, logits) if wants_logprobs and is_raw(self.logprobs_mode) else None
         logits = processed_logits(logits, metadata)
+        probs = None
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = sample_from_probs(processed_probs(logits, metadata), metadata.generators)
+            probs = processed_probs(logits, metadata)
+            sampled = sample_from_probs(probs, metadata.generators)
             if metadata.any_greedy:  # the argmax only where some row needs it (a pass over the vocab)
                 sampled = torch.where(metadata.greedy, logits.argmax(dim=-1), sampled)
         output = SamplerOutput(sampled_token_ids=sampled)
-        if raw_logprobs is not None:
-            gather_logprobs(output, raw_logprobs, sampled, metadata.max_num_logprobs)
+        if wants_logprobs:
+            values = raw if raw is not None else self._processed_values(logits, probs, metadata)
+            gather_logprobs(output, values, sampled, metadata.max_num_logprobs)
         return output
+
+    def _processed_values(self, logits: torch.Tensor, probs: torch.Tensor | None, md: SamplingMetadata) -> torch.Tensor:
+        """The processed mode's values: the tokens top-k, top-p and min-p cut are those left
+        with no probability."""
+        cuts = md.top_k is not None or md.top_p is not None or md.min_p is not None
+        if cuts and probs is None:
+            probs = processed_probs(logits, md)
+        return processed_values(self.logprobs_mode, logits, md.temperature, probs == 0 if cuts else None)
 
     @staticmethod
     def _sample_in_one_pass(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:

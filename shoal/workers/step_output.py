@@ -9,6 +9,7 @@ import torch
 
 from shoal.step import LogprobsLists, ModelRunnerOutput
 from shoal.workers.input_batch import RequestState
+from shoal.workers.routed_experts import to_wire
 from shoal.workers.sampler import SamplerOutput, logprobs_lists
 
 
@@ -23,8 +24,11 @@ class SampledStep:
         sampled: SamplerOutput | None,
         prompt_logprobs: dict[str, tuple[torch.Tensor, ...]],
         step_id: int,
+        routed_experts: dict[str, tuple[int, torch.Tensor]] | None = None,
     ) -> None:
         self.req_ids = req_ids
+        # Per request that asked and sampled: (first position, expert ids on the device).
+        self.routed_experts = routed_experts or {}
         self.states = states
         self.sampled = sampled
         self.prompt_logprobs = prompt_logprobs
@@ -58,6 +62,7 @@ class SampledStep:
                 for req_id, tensors in self.prompt_logprobs.items()
             },
             step_id=self.step_id,
+            routed_experts=to_wire(self.routed_experts) if self.routed_experts else {},
         )
 
     def _per_request(self, tokens: list[int]) -> list[list[int]]:

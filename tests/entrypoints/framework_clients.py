@@ -11,7 +11,12 @@ be installed beside shoal (tests/entrypoints/test_rl_native_apis.py):
   `num_requests_from_load` in slime/backends/sglang_utils/server_control.py@15b8e507, the
   /generate payload and the reading of its answer in slime/rollout/sglang_rollout.py@3c9aa092
   (with `Sample.update_from_meta_info` of slime/utils/types.py), and the engine calls of
-  slime/backends/sglang_utils/http_server_engine.py@a18dc5dc.
+  slime/backends/sglang_utils/http_server_engine.py@a18dc5dc;
+- SGLang's trainer-side tensor payloads (what slime's update_weight_from_tensor.py and veRL's
+  SGLang adapter send to /update_weights_from_tensor): `MultiprocessingSerializer.serialize(obj,
+  output_str=True)` of python/sglang/srt/utils/common.py (ForkingPickler, then base64) and the
+  multi-dtype `FlattenedTensorBucket` of python/sglang/srt/weight_sync/tensor_bucket.py (each
+  tensor's bytes back to back in one uint8 tensor, byte offsets in its metadata).
 
 The payloads, endpoints and the fields read from the answers are theirs; only the transport
 (httpx instead of aiohttp or requests) differs.
@@ -270,3 +275,45 @@ def slime_engine_call(http: httpx.Client, endpoint: str, payload: dict[str, Any]
     response = http.post(f"/{endpoint}", json=payload or {})
     response.raise_for_status()
     return response
+
+
+# ---- SGLang's tensor payloads -------------------------------------------------------------------
+
+
+def sglang_serialize(obj: Any) -> str:
+    """MultiprocessingSerializer.serialize(obj, output_str=True)."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions, as SGLang's import of torch does)
+
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode("utf-8")
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    name: str
+    shape: Any
+    dtype: Any
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def sglang_flattened_bucket(named_tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+    """FlattenedTensorBucket(named_tensors) as {"flattened_tensor", "metadata"}, what slime
+    serializes for load_format="flattened_bucket"."""
+    import torch
+
+    parts, metadata, offset = [], [], 0
+    for name, tensor in named_tensors:
+        flat = tensor.flatten().view(torch.uint8)
+        metadata.append(
+            FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, offset + flat.numel(), flat.numel())
+        )
+        parts.append(flat)
+        offset += flat.numel()
+    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}

@@ -15,6 +15,7 @@ Bad requests are 400s that leave the engine serving."""
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 import time
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.entrypoints import framework_clients as clients
@@ -140,7 +142,7 @@ def test_generate_streams_as_sglang_does(http: httpx.Client) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "says"),
     [
-        ("/generate", {"text": PROMPT, "return_routed_experts": True}, "routed experts"),
+        ("/generate", {"text": PROMPT, "return_routed_experts": True}, "mixture-of-experts model"),
         ("/generate", {"text": PROMPT, "input_ids": [1, 2]}, "exactly one of text and input_ids"),
         ("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "beam": 2}}, "'beam'"),
         ("/generate", {"text": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),
@@ -152,7 +154,12 @@ def test_generate_streams_as_sglang_does(http: httpx.Client) -> None:
         ("/release_memory_occupation", {"tags": ["activations"]}, "unknown memory tags"),
         ("/update_weights_from_disk", {"model_path": "/no/such/folder"}, "no/such/folder"),
         ("/update_weights_from_disk", {"model_path": "/no/such/folder", "load_format": "gguf"}, "load_format"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}, "pickles"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}, "cannot be read"),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": ["eA=="], "load_format": "x"},
+            "unknown load_format",
+        ),
         ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}, "group"),
         ("/abort_request", {}, "rid or abort_all"),
         ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}, "token_ids"),
@@ -287,6 +294,49 @@ def PROMPT_IDS(http: httpx.Client) -> list[int]:
     return http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
 
 
+def test_sglang_update_weights_from_tensor(http: httpx.Client, tiny_model_path: str, tmp_path) -> None:
+    """A trainer in another process on the same host sends SGLang's payloads: direct (name,
+    tensor) pairs, then a flattened bucket, shared through torch's file_system strategy; the
+    engine then answers as after a disk update of the same weights. Payloads it cannot or will not
+    read are 400s that change nothing."""
+    import os
+    import pickle
+
+    import torch.multiprocessing
+
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    before = generate(http, **body)["output_ids"]
+    trainer = Trainer(tiny_model_path)
+    trainer.train_step(seed=7)
+    named = list(trainer.weights.items())
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    try:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+        refused = http.post(
+            "/update_weights_from_tensor", json={"serialized_named_tensors": [clients.sglang_serialize(named)]}
+        )
+        assert refused.status_code == 400 and "file_system" in refused.text
+        evil = base64.b64encode(pickle.dumps(os.system)).decode()
+        refused = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+        assert refused.status_code == 400 and "not a tensor" in refused.text
+        assert generate(http, **body)["output_ids"] == before
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        half = len(named) // 2
+        direct = {"serialized_named_tensors": [clients.sglang_serialize(named[:half])] * 2, "flush_cache": False}
+        assert http.post("/update_weights_from_tensor", json=direct).json()["success"] is True
+        bucket = clients.sglang_serialize(clients.sglang_flattened_bucket(named[half:]))
+        flattened = {"serialized_named_tensors": [bucket], "load_format": "flattened_bucket", "weight_version": "t-1"}
+        assert http.post("/update_weights_from_tensor", json=flattened).json()["weight_version"] == "t-1"
+        changed = generate(http, **body)
+        assert changed["output_ids"] != before and changed["meta_info"]["weight_version"] == "t-1"
+        http.post("/update_weights_from_disk", json={"model_path": trainer.save(str(tmp_path / "step"))})
+        assert generate(http, **body)["output_ids"] == changed["output_ids"]
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+        http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
+    assert generate(http, **body)["output_ids"] == before
+
+
 # ---- TRL ----------------------------------------------------------------------------------------
 
 
@@ -334,6 +384,98 @@ def test_trl_async_grpo_client(native_server: ServerProcess, http: httpx.Client,
         changed = generate(http, **body)
         assert changed["output_ids"] != before
         assert changed["meta_info"]["weight_version"] != "0"
+    finally:
+        http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
+    assert generate(http, **body)["output_ids"] == before
+
+
+def test_trl_weight_transfer_of_shoal(
+    native_server: ServerProcess, http: httpx.Client, tiny_model_path: str, tmp_path
+) -> None:
+    """`shoal.integrations.trl.ShoalWeightTransfer`, what AsyncGRPOTrainer takes as its
+    `weight_transfer`, over TRL's own VLLMClient: TRL's iterator streamed in chunks, one
+    /update_weights each; the engine then answers as after a disk update of the same weights."""
+    vllm_client = pytest.importorskip("trl.experimental.async_grpo.vllm_client")
+    from accelerate import PartialState
+
+    from shoal.integrations.trl import ShoalWeightTransfer
+
+    PartialState()
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    before = generate(http, **body)["output_ids"]
+    trainer = Trainer(tiny_model_path)
+    trainer.train_step(seed=13)
+    transfer = ShoalWeightTransfer(vllm_client.VLLMClient(native_server.url), backend="gloo", bucket_bytes=256 << 10)
+    try:
+        transfer.init_weight_transfer()
+        transfer.pause()
+        transfer.send_weights(iter(trainer.weights.items()))
+        transfer.resume()
+        changed = generate(http, **body)["output_ids"]
+        assert changed != before
+        http.post("/update_weights_from_disk", json={"model_path": trainer.save(str(tmp_path / "step"))})
+        assert generate(http, **body)["output_ids"] == changed
+    finally:
+        transfer.destroy()
+        http.post("/destroy_weight_update_group")
+        http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
+    assert generate(http, **body)["output_ids"] == before
+
+
+def test_vllm_ipc_weight_transfer(
+    native_server: ServerProcess, http: httpx.Client, tiny_model_path: str, tmp_path
+) -> None:
+    """vLLM's "ipc" backend through TRL's client: the update_info a vLLM trainer builds
+    (per-tensor `reduce_tensor` handles, pickled and base64-encoded; on a CPU the storages by
+    value), then a packed one; the engine then answers as after a disk update of the same weights."""
+    vllm_client = pytest.importorskip("trl.experimental.async_grpo.vllm_client")
+    import pickle
+
+    from accelerate import PartialState
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    PartialState()
+    client = vllm_client.VLLMClient(native_server.url, server_timeout=30)
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    before = generate(http, **body)["output_ids"]
+    trainer = Trainer(tiny_model_path)
+    trainer.train_step(seed=11)
+    named = list(trainer.weights.items())
+    half = len(named) // 2
+
+    def update_info(pairs, packed: bool) -> dict:
+        info = {
+            "names": [n for n, _ in pairs],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs],
+        }
+        if packed:
+            flat = torch.cat([t.flatten() for _, t in pairs])
+            info["sizes"] = [t.numel() for _, t in pairs]
+            handles = {"cpu": reduce_tensor(flat)}
+        else:
+            handles = [{"cpu": reduce_tensor(t.contiguous())} for _, t in pairs]
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode("utf-8")
+        return info
+
+    try:
+        client.pause()
+        client.init_weight_transfer_engine({})
+        client.start_weight_update()
+        client.update_weights(update_info(named[:half], packed=False))
+        client.update_weights(update_info(named[half:], packed=True))
+        client.finish_weight_update()
+        client.resume()
+        changed = generate(http, **body)["output_ids"]
+        assert changed != before
+        http.post("/update_weights_from_disk", json={"model_path": trainer.save(str(tmp_path / "step"))})
+        assert generate(http, **body)["output_ids"] == changed
+        client.start_weight_update()
+        bad = update_info(named[:1], packed=False)
+        bad["shapes"] = [[1]]
+        response = http.post("/update_weights", json={"update_info": bad})
+        assert response.status_code == 400 and "update_info says" in response.text
+        client.finish_weight_update()
     finally:
         http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
     assert generate(http, **body)["output_ids"] == before

@@ -10,7 +10,8 @@ verbs' routes of shoal/rl_verbs.py.
 - `GET|POST /flush_cache`: the prefix cache reset (400 while requests run, as SGLang's).
 - `GET /server_info` (and `/get_server_info`), `GET /get_model_info`, `GET /v1/loads`,
   `GET /health_generate`.
-- `POST /update_weights_from_tensor`: refused (it carries pickled CUDA IPC handles).
+- `POST /update_weights_from_tensor`: the trainer's tensors, shared by CUDA IPC or (CPU) shared
+  memory, as SGLang's serializer writes them (direct pairs or a flattened bucket).
 
 The shapes follow SGLang's python/sglang/srt/entrypoints/http_server.py, managers/io_struct.py
 and entrypoints/v1_loads.py; errors are 400s with an OpenAI error body, as everywhere in shoal.
@@ -33,6 +34,7 @@ from shoal.entrypoints.openai.errors import bad_request, engine_dead, to_api_err
 from shoal.entrypoints.openai.native_requests import abort_all, native_requests, until_aborted
 from shoal.entrypoints.openai.serving import merge_streams, sse_event, until_disconnected
 from shoal.entrypoints.openai.sglang_generate import GenerateCall, SampleRequest, answer, parse_generate
+from shoal.entrypoints.openai.tensor_payloads import check_load_format, load_payload, named_tensors
 from shoal.frontend.output_processor import OutputKind
 
 if TYPE_CHECKING:
@@ -286,23 +288,30 @@ async def _one_token(engine: AsyncLLM) -> None:
         pass
 
 
-# ---- what is refused --------------------------------------------------------------------------
+# ---- weights in the request ---------------------------------------------------------------------
 
 
 @router.post("/update_weights_from_tensor")
-async def update_weights_from_tensor(request: Request) -> Response:
-    """SGLang's `serialized_named_tensors` are pickles (torch's multiprocessing reductions: CUDA
-    IPC handles, or shared-memory file descriptors) meant for a server in the trainer's trust;
-    this server unpickles nothing a client sends."""
+async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
+    """SGLang's `UpdateWeightsFromTensorReqInput`: `serialized_named_tensors` (one payload per
+    tensor-parallel rank, each the whole tensors: shoal's workers cut their own shards, so the
+    first is read), `load_format`, `flush_cache`, `abort_all_requests`, `weight_version`. The
+    payloads are read by shoal/entrypoints/openai/tensor_payloads.py's restricted unpickler."""
+    engine = _engine(request)
     body = await _json_body(request)
-    if not isinstance(body, dict) or not isinstance(body.get("serialized_named_tensors"), list):
-        raise bad_request("serialized_named_tensors (a list, one entry per tensor-parallel rank) is required")
-    load_format = body.get("load_format")
-    if load_format not in (None, "direct", "flattened_bucket"):
-        raise bad_request(f"unknown load_format {load_format!r}; SGLang's are null, 'direct', 'flattened_bucket'")
-    raise bad_request(
-        "update_weights_from_tensor is not served: its serialized_named_tensors are pickles, which shoal does "
-        "not load from a request. A trainer in the same host calls update_weights_from_tensors on shoal's "
-        "LLM or AsyncLLM (CUDA IPC, bucketed), or uses /update_weights_from_distributed or "
-        "/update_weights_from_disk"
+    payloads = body.get("serialized_named_tensors") if isinstance(body, dict) else None
+    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+        raise bad_request(
+            "serialized_named_tensors (a list of base64 strings, one per tensor-parallel rank) is required"
+        )
+    try:
+        check_load_format(body.get("load_format"))
+        tensors = named_tensors(load_payload(payloads[0]), body.get("load_format"))
+    except ValueError as exc:
+        raise bad_request(str(exc), "serialized_named_tensors") from None
+    if body.get("abort_all_requests"):
+        await abort_all(engine)
+    version = await engine.update_weights_from_tensors(
+        tensors, weight_version=body.get("weight_version"), reset_prefix_cache=bool(body.get("flush_cache", True))
     )
+    return {"success": True, "message": "Succeeded to update parameter online.", "weight_version": version}

@@ -6,11 +6,12 @@ SGLang's answer (`text`, `output_ids`, `meta_info`, as SGLang's tokenizer manage
 A request is one prompt (`text` a string, `input_ids` a list of ids) or a batch (a list of
 either); each prompt with `n` samples is `n` engine requests, in SGLang's order (prompt by
 prompt, its samples in turn). What shoal cannot do is refused by name (a ValueError, a 400)
-rather than ignored: routed experts, images, LoRA, input embeddings, custom logit processors.
+rather than ignored: images, LoRA, input embeddings, custom logit processors.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ _READ = {
     "logprob_start_len",
     "top_logprobs_num",
     "return_text_in_logprobs",
+    "return_routed_experts",
+    "routed_experts_start_len",
     "stream",
 }
 _IGNORED = {
@@ -78,8 +81,6 @@ _IGNORED = {
     "modalities",
 }
 _REFUSED: dict[str, tuple[Any, str]] = {
-    "return_routed_experts": (False, "routed experts are not returned yet"),
-    "routed_experts_start_len": (0, "routed experts are not returned yet"),
     "image_data": (None, "this engine takes text only"),
     "video_data": (None, "this engine takes text only"),
     "audio_data": (None, "this engine takes text only"),
@@ -106,6 +107,9 @@ class SampleRequest:
     logprob_start_len: int
     top_logprobs_num: int
     return_text_in_logprobs: bool
+    # meta_info.routed_experts: the experts of positions from `routed_experts_start_len` on.
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,16 @@ def parse_generate(body: Any) -> GenerateCall:
         return_logprob = _per_item(body.get("return_logprob"), len(prompts), "return_logprob", bool, False)[i]
         start = _per_item(body.get("logprob_start_len"), len(prompts), "logprob_start_len", int, -1)[i]
         top = _per_item(body.get("top_logprobs_num"), len(prompts), "top_logprobs_num", int, 0)[i]
+        routed = _per_item(body.get("return_routed_experts"), len(prompts), "return_routed_experts", bool, False)[i]
+        routed_start = _per_item(
+            body.get("routed_experts_start_len"), len(prompts), "routed_experts_start_len", int, 0
+        )[i]
+        if routed_start < 0:
+            raise ValueError(f"routed_experts_start_len must be >= 0, got {routed_start}")
         for j in range(n):
             params = sampling_params(item_params[i], return_logprob, start, top, sample_index=j)
+            if routed:
+                params = params.clone(return_routed_experts=True)
             samples.append(
                 SampleRequest(
                     index=i * n + j,
@@ -141,6 +153,8 @@ def parse_generate(body: Any) -> GenerateCall:
                     logprob_start_len=start,
                     top_logprobs_num=top,
                     return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                    return_routed_experts=routed,
+                    routed_experts_start_len=routed_start,
                 )
             )
     stream = body.get("stream", False)
@@ -285,6 +299,8 @@ def answer(sample: SampleRequest, output: RequestOutput, weight_version: str) ->
     }
     if sample.return_logprob:
         meta.update(_logprobs(sample, output, completion))
+    if sample.return_routed_experts:
+        meta["routed_experts"] = _routed_experts(completion, sample.routed_experts_start_len)
     return {"text": completion.text, "output_ids": list(completion.token_ids), "meta_info": meta}
 
 
@@ -338,3 +354,10 @@ def _entry(token_id: int, logprob: Any, text: bool) -> list[Any]:
 def _top(position: PositionLogprobs, count: int, text: bool) -> list[list[Any]]:
     ranked = sorted(position.items(), key=lambda item: item[1].rank)[:count]
     return [_entry(token_id, logprob, text) for token_id, logprob in ranked]
+
+
+def _routed_experts(completion: CompletionOutput, start: int) -> str | None:
+    """SGLang's encoding: base64 of int32 [num_positions, num_layers, top_k] (C order), the
+    positions from `start` on; None for a model without routed experts."""
+    ids = completion.routed_experts
+    return None if ids is None else base64.b64encode(ids[start:].tobytes()).decode("ascii")

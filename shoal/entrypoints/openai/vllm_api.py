@@ -3,7 +3,8 @@ what the verbs' routes of shoal/rl_verbs.py do not spell already (/sleep, /wake_
 /is_sleeping, /pause, /resume are shoal's and vLLM's alike):
 
 - `POST /inference/v1/generate`: token ids in and out (vLLM's `GenerateRequest`: `token_ids`,
-  `sampling_params` by vLLM's names, `request_id`), each choice with shoal's `weight_versions`;
+  `sampling_params` by vLLM's names, `request_id`), each choice with shoal's `weight_versions`
+  (and, with `sampling_params.return_routed_experts`, its `routed_experts`);
 - `POST /abort_requests {request_ids?}`, `POST /reset_prefix_cache`, `POST /collective_rpc
   {method, args, kwargs, timeout}`, `GET /get_world_size`;
 - the four-phase weight transfer TRL's async GRPO drives: `POST /init_weight_transfer_engine
@@ -12,9 +13,10 @@ what the verbs' routes of shoal/rl_verbs.py do not spell already (/sleep, /wake_
   `master_address`, `master_port`, `rank_offset`, `world_size`) is shoal's weight-update group
   (gloo on a CPU, NCCL on a GPU): the trainer sends with `shoal.rl.WeightSender`, and each
   `/update_weights` is one `update_weights_from_distributed`. The "ipc" backend (`init_info`
-  without an address) is initialized, but its updates are refused: vLLM's trainer sends its
-  CUDA IPC handles pickled (`ipc_handles_pickled`), and this server unpickles nothing a
-  request carries (a colocated trainer calls `update_weights_from_tensors` in Python).
+  without an address): each `/update_weights` carries the tensors' handles pickled
+  (`ipc_handles_pickled`: CUDA IPC, or a CPU tensor by value), read by the restricted
+  unpickler of shoal/entrypoints/openai/tensor_payloads.py, and is one
+  `update_weights_from_tensors`.
 
 Shapes from vLLM's vllm/entrypoints/serve/ (GenerateRequest, GenerateResponse) and
 vllm/distributed/weight_transfer/{nccl,ipc}_engine.py; the client is TRL's
@@ -34,6 +36,7 @@ from starlette.responses import Response
 from shoal.entrypoints.openai.errors import bad_request, engine_dead
 from shoal.entrypoints.openai.native_requests import abort_all, native_requests, until_aborted
 from shoal.entrypoints.openai.serving import clamp_logprob, until_disconnected
+from shoal.entrypoints.openai.tensor_payloads import vllm_ipc_tensors
 from shoal.frontend.output_processor import OutputKind
 from shoal.sampling_params import SamplingParams
 
@@ -124,6 +127,10 @@ def _choice(completion: CompletionOutput, params: SamplingParams, aborted: bool)
         # shoal's: which weights sampled which tokens (indices into token_ids).
         "weight_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in completion.weight_versions],
     }
+    if params.return_routed_experts:
+        # [position][layer][k]: prompt positions, then output tokens but the last; -1 in dense layers.
+        ids = completion.routed_experts
+        choice["routed_experts"] = ids.tolist() if ids is not None else None
     if params.logprobs is not None and completion.logprobs:
         choice["logprobs"] = {
             "content": [_logprob(t, p, params.logprobs) for t, p in zip(completion.token_ids, completion.logprobs)]
@@ -256,11 +263,13 @@ async def update_weights(request: Request) -> dict[str, Any]:
     if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
         raise bad_request("update_info needs names, dtype_names and shapes (lists)", "update_info")
     if transfer.backend == "ipc":
-        raise bad_request(
-            "the ipc backend's update_info carries pickled CUDA IPC handles (ipc_handles_pickled), which this "
-            "server does not load from a request: a trainer on the same host calls update_weights_from_tensors "
-            "on shoal's LLM or AsyncLLM (CUDA IPC, bucketed), or uses the nccl backend"
-        )
+        try:
+            tensors = vllm_ipc_tensors(info)
+        except ValueError as exc:
+            raise bad_request(str(exc), "update_info") from None
+        version = await engine.update_weights_from_tensors(tensors, weight_version=info.get("weight_version"))
+        transfer.num_updates += 1
+        return {"success": True, "weight_version": version}
     version = await engine.update_weights_from_distributed(
         names,
         dtypes,
