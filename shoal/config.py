@@ -39,6 +39,8 @@ class ModelConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
+    # Every token's result independent of the batch it runs in (docs/batch_invariance.md).
+    batch_invariant: bool = False
     # On a GPU: weights and KV cache in memory pools that keep their addresses across
     # sleep / wake_up, so the CUDA graphs need no recapture (see shoal/workers/sleep.py).
     enable_sleep_mode: bool = False
@@ -171,6 +173,8 @@ class EngineArgs:
     num_cpus_per_worker: float = 1.0
     # "pkg.module:Class": a mixin added to every worker, for collective_rpc (RL frameworks).
     worker_extension_cls: str | None = None
+    # A request's tokens and logprobs bitwise the same alone or in any batch (docs/batch_invariance.md).
+    batch_invariant: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -251,7 +255,15 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             enable_sleep_mode=self.enable_sleep_mode,
             quantization=quantization,
+            batch_invariant=self._batch_invariant(quantization),
         )
+
+    def _batch_invariant(self, quantization: str | None) -> bool:
+        _require(
+            not (self.batch_invariant and quantization is not None),
+            "batch_invariant supports float weights only (no quantization)",
+        )
+        return bool(self.batch_invariant)
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
