@@ -259,10 +259,9 @@ class EngineArgs:
         )
 
     def _batch_invariant(self, quantization: str | None) -> bool:
-        _require(
-            not (self.batch_invariant and quantization is not None),
-            "batch_invariant supports float weights only (no quantization)",
-        )
+        if self.batch_invariant:
+            _require(quantization is None, "batch_invariant supports float weights only (no quantization)")
+            _require(self.kv_cache_dtype == "auto", "batch_invariant needs kv_cache_dtype='auto'")
         return bool(self.batch_invariant)
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:

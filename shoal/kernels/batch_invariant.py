@@ -12,8 +12,12 @@ zeros: every row goes through the same kernel with the same shape, whatever the 
 kernels' arithmetic for one row of a tile does not depend on its slot or on the other rows
 (tests/kernels/test_batch_invariant.py checks both on this machine's torch). On CUDA each op is a
 Triton kernel whose reduction order is fixed by its launch constants alone
-(shoal/kernels/triton/batch_invariant.py): one program per row for the norm and the
-log-softmax, a GEMM with one tile configuration and no split-K for every M.
+(shoal/kernels/triton/batch_invariant.py): one program per row for the norm, a GEMM with one
+tile configuration and no split-K for every M.
+
+The sampler needs no twin: its softmaxes, sorts and cumulative sums run row by row with kernels
+chosen by the row's length (checked on the CPU by the same test), and a seeded request draws
+from its own generator.
 """
 
 from __future__ import annotations
@@ -96,22 +100,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(rows)
     kernel(out, rows, weight, eps)
     return out.view(x.shape)
-
-
-def log_softmax_ref(x: torch.Tensor) -> torch.Tensor:
-    """float32 log-softmax of each row of x [num_rows, vocab], over row tiles."""
-    return row_tiled(lambda tile: tile.float().log_softmax(dim=-1), x)
-
-
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """The batch-invariant log-softmax: one Triton program per row on CUDA ("bi_log_softmax")."""
-    kernel = registered_kernel("bi_log_softmax", x)
-    if kernel is None:
-        return log_softmax_ref(x)
-    rows = x.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
-    kernel(out, rows)
-    return out
 
 
 def fused_moe(

@@ -52,7 +52,7 @@ def _attend_tile(
     """q [nkv, group * Q_TILE, hd] (rows group-major, then position) of query tile `tile` over
     its context tiles -> [nkv, group * Q_TILE, hd]."""
     num_rows = q.shape[1]
-    positions = tile * Q_TILE + torch.arange(Q_TILE).repeat(num_rows // Q_TILE)  # [group * Q_TILE]
+    positions = tile * Q_TILE + torch.arange(Q_TILE, device=q.device).repeat(num_rows // Q_TILE)  # [group * Q_TILE]
     m = q.new_full((q.shape[0], num_rows), -float("inf"))
     denominator = q.new_zeros(q.shape[0], num_rows)
     acc = torch.zeros_like(q)
@@ -60,7 +60,7 @@ def _attend_tile(
         first = kv_tile * KV_TILE
         k = keys[:, first : first + KV_TILE]  # [nkv, KV_TILE, hd]
         v = values[:, first : first + KV_TILE]
-        key_positions = first + torch.arange(KV_TILE)
+        key_positions = first + torch.arange(KV_TILE, device=q.device)
         scores = torch.bmm(q, k.transpose(1, 2)) * scale  # [nkv, rows, KV_TILE]
         scores = scores.masked_fill((key_positions[None, :] > positions[:, None])[None], -float("inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1))
