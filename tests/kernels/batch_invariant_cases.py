@@ -18,7 +18,7 @@ SEQ_LEN = 70  # the target request's context: more than one KV tile and many que
 SCHEDULES = {
     "whole": [(0, SEQ_LEN)],
     "chunked": [(0, 5), (5, 21), (21, 22), (22, 50), (50, 70)],
-    "decode": [(0, 33)] + [(p, p + 1) for p in range(33, 70)],
+    "decode": [(0, 61)] + [(p, p + 1) for p in range(61, 70)],
 }
 
 

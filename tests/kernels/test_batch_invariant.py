@@ -19,13 +19,21 @@ from tests.kernels.interpreter import needs_triton, run_interpreter_check
 ROW_COUNTS = [1, 2, 3, 5, 7, 11, 16, 17, 33, 64]
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest):
-    """torch's CPU kernels split work by thread count: check with one and two threads."""
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread unless a test asks for more (`threads`), as an engine's CPU worker on
+    two cores runs: on a busy machine every op of two threads waits for the slower one."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
+    torch.set_num_threads(1)
+    yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest, one_thread: None) -> int:
+    """torch's CPU kernels split work by thread count: check with one and two threads."""
+    torch.set_num_threads(request.param)
+    return request.param
 
 
 def _rows_agree(fn, x: torch.Tensor) -> list[int]:
@@ -34,7 +42,7 @@ def _rows_agree(fn, x: torch.Tensor) -> list[int]:
     return [m for m in ROW_COUNTS if not torch.equal(fn(x[:m]), full[:m])]
 
 
-@pytest.mark.parametrize("k, n", [(64, 384), (576, 1536), (1536, 576)])
+@pytest.mark.parametrize("k, n", [(64, 384), (576, 1536)])
 def test_linear_rows_do_not_depend_on_the_batch(threads: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(k + n)
     x, weight, bias = torch.randn(64, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
@@ -66,7 +74,7 @@ def test_rms_norm_and_swiglu_rows_do_not_depend_on_the_batch(threads: int) -> No
     torch.testing.assert_close(bi.silu_and_mul_rows(gate_up), F.silu(gate_up[:, :300]) * gate_up[:, 300:])
 
 
-def test_sampler_rows_do_not_depend_on_the_batch(threads: int) -> None:
+def test_sampler_rows_do_not_depend_on_the_batch() -> None:
     """The sampler has no batch-invariant twin: its log-softmax, softmax, sort and cumsum are
     already row by row on the CPU, and a seeded row draws from its own generator."""
     from shoal.workers.sampler import Sampler, SamplingMetadata
@@ -92,9 +100,8 @@ def test_sampler_rows_do_not_depend_on_the_batch(threads: int) -> None:
         assert torch.equal(sample(logits[:m]), full[:m])
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(4, 2, 16), (2, 2, 32)])
-def test_attention_does_not_depend_on_chunking_or_neighbours(num_heads: int, num_kv_heads: int, head_size: int):
-    case = AttentionCase(num_heads, num_kv_heads, head_size, block_size=4, dtype=torch.float32, device="cpu")
+def test_attention_does_not_depend_on_chunking_or_neighbours():
+    case = AttentionCase(4, 2, 16, block_size=4, dtype=torch.float32, device="cpu")
     assert check_schedules_agree(paged_attention_ref, case) == []
     # And it is the same attention as the default path's, to rounding.
     for schedule in SCHEDULES.values():
@@ -110,7 +117,7 @@ def test_default_attention_depends_on_the_schedule() -> None:
     assert check_schedules_agree(default_attention_ref, case) != []
 
 
-def test_fused_moe_rows_do_not_depend_on_the_batch(threads: int) -> None:
+def test_fused_moe_rows_do_not_depend_on_the_batch() -> None:
     gen = torch.Generator().manual_seed(4)
     num_tokens, hidden, intermediate, num_experts, top_k = 48, 64, 32, 8, 2
     x = torch.randn(num_tokens, hidden, generator=gen)

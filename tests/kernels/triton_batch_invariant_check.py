@@ -10,7 +10,12 @@ are decorated, at import) and calls `check_all` on a GPU.
 
 from __future__ import annotations
 
+import os
 import sys
+
+# One BLAS thread for the interpreter's NumPy products (a busy machine stalls threaded ones).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +94,7 @@ def main() -> int:
     from tests.kernels.interpreter import prepare_interpreter
 
     prepare_interpreter()
+    torch.set_num_threads(1)
     failures = check_all("cpu", torch.float32)
     for failure in failures:
         print(failure)
