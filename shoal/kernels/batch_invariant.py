@@ -10,7 +10,7 @@ reductions whose CPU parallel split depends on the tensor's size.
 The CPU path here runs each op over fixed tiles of `ROW_TILE` rows, the last one padded with
 zeros: every row goes through the same kernel with the same shape, whatever the batch, and the
 kernels' arithmetic for one row of a tile does not depend on its slot or on the other rows
-(tests/kernels/test_batch_invariant.py checks both on this machine's torch). On CUDA each op is a
+(tests/kernels/test_batch_invariant_ops.py checks both on this machine's torch). On CUDA each op is a
 Triton kernel whose reduction order is fixed by its launch constants alone
 (shoal/kernels/triton/batch_invariant.py): one program per row for the norm, a GEMM with one
 tile configuration and no split-K for every M.
@@ -50,10 +50,24 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])  # [num_rows, features]
 
 
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [num_rows, ...] with zero rows after it up to a whole number of ROW_TILE rows."""
+    padded = max(ROW_TILE, -(-x.shape[0] // ROW_TILE) * ROW_TILE)
+    if padded == x.shape[0]:
+        return x
+    return torch.cat([x, x.new_zeros(padded - x.shape[0], *x.shape[1:])])
+
+
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias) over row tiles."""
-    rows = row_tiled(lambda tile: F.linear(tile, weight, bias), _as_rows(x))
-    return rows.view(*x.shape[:-1], weight.shape[0])
+    """x [..., K] @ weight [N, K]^T (+ bias) as one GEMM over the rows padded to whole tiles.
+
+    One GEMM, not one per tile: MKL packs the weight on every call, so 16-row calls cost three
+    times the whole batch's at prefill. This leans on what the tiles' test checks: MKL gives a
+    row the same bits in every M that is a whole number of tiles (1 to 1024 tiles, one and two
+    threads, on this machine); only M below 16, or not a multiple of 4, changes them."""
+    rows = _as_rows(x)
+    out = F.linear(pad_rows(rows), weight, bias)[: rows.shape[0]]
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -15,12 +15,15 @@ whether its prefix came from the cache. Here every split is fixed in absolute po
   (their exp is 0 and the running maximum does not move), whether they hold keys of later
   tokens of the chunk or the zeros past the context.
 
-`paged_attention_ref` is the CPU path (torch, float32 arithmetic, one tile at a time);
+`paged_attention_ref` is the CPU path (torch, float32 arithmetic, the step's tiles batched);
 shoal/kernels/triton/batch_invariant.py has the CUDA kernel with the same tiling.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from shoal.forward_context import AttentionMetadata
@@ -35,89 +38,108 @@ def _num_kv_tiles(tile: int) -> int:
     return -(-(tile + 1) * Q_TILE // KV_TILE)
 
 
-def _context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, num_positions: int) -> torch.Tensor:
-    """cache [num_blocks, block_size, nkv, hd] -> the request's first `num_positions` positions as
-    float32 [nkv, num_positions, hd], zeros past seq_len."""
-    block_size = cache.shape[1]
-    num_blocks = -(-min(seq_len, num_positions) // block_size)
-    tokens = cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]  # [seq_len, nkv, hd]
-    context = tokens.new_zeros(num_positions, *tokens.shape[1:], dtype=torch.float32)
-    context[: tokens.shape[0]] = tokens[:num_positions]
-    return context.transpose(0, 1)  # [nkv, num_positions, hd]
+@dataclass
+class TilePlan:
+    """The step's query tiles, built once per step from the host index arrays and kept in the
+    metadata's `backend_state` for the other layers."""
+
+    tile_request: torch.Tensor  # [num_tiles] the request of each tile
+    tile_positions: torch.Tensor  # [num_tiles, Q_TILE] the positions of each tile's rows
+    num_kv_tiles: np.ndarray  # [num_tiles] context tiles each walks
+    token_rows: torch.Tensor  # [num_tokens] each query row's row among the tiles' (tile * Q_TILE + slot)
 
 
-def _attend_tile(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tile: int, scale: float
+def plan_tiles(md: AttentionMetadata) -> TilePlan:
+    starts, seq_lens = md.query_start_loc_cpu.numpy().astype(np.int64), md.seq_lens_cpu.numpy().astype(np.int64)
+    query_lens = np.diff(starts)
+    context_lens = seq_lens - query_lens
+    first, last = context_lens // Q_TILE, (seq_lens - 1) // Q_TILE
+    tiles_per_request = np.where(query_lens > 0, last - first + 1, 0)
+    tile_request = np.repeat(np.arange(md.num_reqs), tiles_per_request)  # [num_tiles]
+    tile_base = np.concatenate([[0], np.cumsum(tiles_per_request)[:-1]])  # each request's first tile
+    tiles = first[tile_request] + np.arange(len(tile_request)) - tile_base[tile_request]  # absolute tile numbers
+    token_request = np.repeat(np.arange(md.num_reqs), query_lens)  # [num_tokens]
+    positions = context_lens[token_request] + np.arange(starts[-1]) - starts[token_request]
+    token_rows = (tile_base[token_request] + positions // Q_TILE - first[token_request]) * Q_TILE + positions % Q_TILE
+    device = md.block_tables.device
+    return TilePlan(
+        tile_request=torch.from_numpy(tile_request).to(device),
+        tile_positions=torch.from_numpy(tiles[:, None] * Q_TILE + np.arange(Q_TILE)).to(device),
+        num_kv_tiles=-(-(tiles + 1) * Q_TILE // KV_TILE),
+        token_rows=torch.from_numpy(token_rows).to(device),
+    )
+
+
+def _step_plan(md: AttentionMetadata) -> TilePlan:
+    if not isinstance(md.backend_state, TilePlan):
+        md.backend_state = plan_tiles(md)
+    return md.backend_state
+
+
+def _context_tile(
+    cache: torch.Tensor, md: AttentionMetadata, requests: torch.Tensor, first: int
 ) -> torch.Tensor:
-    """q [nkv, group * Q_TILE, hd] (rows group-major, then position) of query tile `tile` over
-    its context tiles -> [nkv, group * Q_TILE, hd]."""
-    num_rows = q.shape[1]
-    positions = tile * Q_TILE + torch.arange(Q_TILE, device=q.device).repeat(num_rows // Q_TILE)  # [group * Q_TILE]
-    m = q.new_full((q.shape[0], num_rows), -float("inf"))
-    denominator = q.new_zeros(q.shape[0], num_rows)
-    acc = torch.zeros_like(q)
-    for kv_tile in range(_num_kv_tiles(tile)):
-        first = kv_tile * KV_TILE
-        k = keys[:, first : first + KV_TILE]  # [nkv, KV_TILE, hd]
-        v = values[:, first : first + KV_TILE]
-        key_positions = first + torch.arange(KV_TILE, device=q.device)
-        scores = torch.bmm(q, k.transpose(1, 2)) * scale  # [nkv, rows, KV_TILE]
-        scores = scores.masked_fill((key_positions[None, :] > positions[:, None])[None], -float("inf"))
-        m_new = torch.maximum(m, scores.amax(dim=-1))
-        alpha = torch.exp(m - m_new)  # rescales what earlier tiles accumulated
-        p = torch.exp(scores - m_new[..., None])
-        denominator = denominator * alpha + p.sum(dim=-1)
-        acc = acc * alpha[..., None] + torch.bmm(p, v)
-        m = m_new
-    return acc / denominator[..., None]
-
-
-def _request(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    start: int,
-    end: int,
-    seq_len: int,
-    scale: float,
-) -> None:
-    """Rows start:end of query (positions seq_len - (end - start) ... seq_len - 1), tile by tile."""
-    num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    context_len = seq_len - (end - start)
-    first_tile, last_tile = context_len // Q_TILE, (seq_len - 1) // Q_TILE
-    num_positions = _num_kv_tiles(last_tile) * KV_TILE
-    keys = _context(kv_cache[0], block_table, seq_len, num_positions)  # [nkv, P, hd]
-    values = _context(kv_cache[1], block_table, seq_len, num_positions)
-    # The chunk's rows at their positions in whole tiles, zeros around them.
-    offset = context_len - first_tile * Q_TILE
-    num_tiles = last_tile - first_tile + 1
-    rows = query.new_zeros(num_tiles * Q_TILE, num_heads, head_size, dtype=torch.float32)
-    rows[offset : offset + end - start] = query[start:end]
-    tiles = rows.view(num_tiles, Q_TILE, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
-    results = []
-    for j in range(num_tiles):
-        q = tiles[j].reshape(num_kv_heads, group * Q_TILE, head_size)  # [nkv, group * Q_TILE, hd]
-        results.append(_attend_tile(q, keys, values, first_tile + j, scale))
-    attended = torch.stack(results).view(num_tiles, num_kv_heads, group, Q_TILE, head_size)
-    attended = attended.permute(0, 3, 1, 2, 4).reshape(num_tiles * Q_TILE, num_heads, head_size)
-    out[start:end] = attended[offset : offset + end - start].to(out.dtype)
+    """cache [num_blocks, block_size, nkv, hd] -> positions [first, first + KV_TILE) of each of
+    `requests`, float32 [len(requests) * nkv, KV_TILE, hd], zeros past each context."""
+    block_size = cache.shape[1]
+    positions = first + torch.arange(KV_TILE, device=cache.device)  # [KV_TILE]
+    valid = positions[None, :] < md.seq_lens[requests].long()[:, None]  # [R, KV_TILE]
+    block_index = (positions // block_size).clamp(max=md.block_tables.shape[1] - 1)
+    blocks = md.block_tables[requests][:, block_index].long()  # [R, KV_TILE]
+    tokens = cache.flatten(0, 1)[blocks * block_size + positions % block_size].float()  # [R, KV_TILE, nkv, hd]
+    tokens = tokens.masked_fill(~valid[:, :, None, None], 0.0)
+    return tokens.transpose(1, 2).flatten(0, 1)  # [R * nkv, KV_TILE, hd]
 
 
 def paged_attention_ref(
     query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_size]; kv_cache [2, num_blocks, block_size, nkv,
-    head_size] already holding this step's keys and values -> [num_tokens, num_heads, head_size]."""
+    head_size] already holding this step's keys and values -> [num_tokens, num_heads, head_size].
+
+    Every query tile of the step at once: torch's batched GEMM gives each batch entry the same
+    bits whatever the number of entries (checked by the tests), so a tile's products do not
+    depend on the tiles beside it. Tile by tile the context tiles are walked in order, each tile
+    as many as it needs."""
     md = attn_metadata
-    starts, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-    out = query.new_zeros(query.shape)  # rows no request owns (padding) stay zero
-    for i in range(md.num_reqs):
-        if starts[i + 1] > starts[i]:
-            _request(out, query, kv_cache, md.block_tables[i], starts[i], starts[i + 1], seq_lens[i], scale)
-    return out
+    plan = _step_plan(md)
+    num_tokens, num_heads, head_size = md.num_tokens, query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_tiles = len(plan.num_kv_tiles)
+    rows = query.new_zeros(num_tiles * Q_TILE, num_heads, head_size, dtype=torch.float32)
+    rows[plan.token_rows] = query[:num_tokens].float()
+    # [num_tiles * nkv, group * Q_TILE, hd]: entry (tile, kv head), rows group-major then position
+    q = rows.view(num_tiles, Q_TILE, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_tiles * num_kv_heads, group * Q_TILE, head_size)
+    row_positions = plan.tile_positions.repeat(1, group)  # [num_tiles, group * Q_TILE]
+    m = q.new_full(q.shape[:2], -float("inf"))
+    denominator = q.new_zeros(q.shape[:2])
+    acc = torch.zeros_like(q)
+    heads = torch.arange(num_kv_heads, device=q.device)
+    for kv_tile in range(int(plan.num_kv_tiles.max(initial=0))):
+        active = torch.from_numpy(np.flatnonzero(plan.num_kv_tiles > kv_tile)).to(q.device)  # [A]
+        entries = (active[:, None] * num_kv_heads + heads).flatten()  # [A * nkv]
+        first = kv_tile * KV_TILE
+        requests = plan.tile_request[active]
+        k = _context_tile(kv_cache[0], md, requests, first)  # [A * nkv, KV_TILE, hd]
+        v = _context_tile(kv_cache[1], md, requests, first)
+        key_positions = first + torch.arange(KV_TILE, device=q.device)
+        masked = key_positions[None, None, :] > row_positions[active][:, :, None]  # [A, rows, KV_TILE]
+        scores = torch.bmm(q[entries], k.transpose(1, 2)) * scale  # [A * nkv, rows, KV_TILE]
+        scores = scores.masked_fill(masked.repeat_interleave(num_kv_heads, dim=0), -float("inf"))
+        m_old = m[entries]
+        m_new = torch.maximum(m_old, scores.amax(dim=-1))
+        alpha = torch.exp(m_old - m_new)  # rescales what earlier tiles accumulated
+        p = torch.exp(scores - m_new[..., None])
+        denominator[entries] = denominator[entries] * alpha + p.sum(dim=-1)
+        acc[entries] = acc[entries] * alpha[..., None] + torch.bmm(p, v)
+        m[entries] = m_new
+    out = (acc / denominator[..., None]).view(num_tiles, num_kv_heads, group, Q_TILE, head_size)
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_tiles * Q_TILE, num_heads, head_size)
+    result = query.new_zeros(query.shape)  # rows no request owns (padding) stay zero
+    result[:num_tokens] = out[plan.token_rows].to(query.dtype)
+    return result
 
 
 def paged_attention(

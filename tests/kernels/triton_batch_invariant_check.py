@@ -4,7 +4,7 @@ same whatever the batch; exits non-zero on a failure.
 
     TRITON_INTERPRET=1 python -m tests.kernels.triton_batch_invariant_check
 
-test_batch_invariant.py runs this in a subprocess (the interpreter is chosen when the kernels
+test_batch_invariant_ops.py runs this in a subprocess (the interpreter is chosen when the kernels
 are decorated, at import) and calls `check_all` on a GPU.
 """
 
