@@ -51,6 +51,7 @@ _HELP = {
     "seed": "the engine's random seed",
     "device": "where the model runs",
     "enforce_eager": "never capture CUDA graphs",
+    "batch_invariant": "a request's tokens and logprobs bitwise the same alone or in any batch (docs/batch_invariance.md)",
     "enable_sleep_mode": "GPU: weights and KV cache keep their addresses across sleep/wake_up (no CUDA-graph recapture)",
     "tensor_parallel_size": "GPUs (or CPU workers) each layer is split over",
     "pipeline_parallel_size": "pipeline stages, each a contiguous slice of layers",

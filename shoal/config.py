@@ -44,6 +44,8 @@ class ModelConfig:
     load_format: str = "auto"
     enforce_eager: bool = False
     quantization: str | None = None
+    # Every token's result independent of the batch it runs in (docs/batch_invariance.md).
+    batch_invariant: bool = False
     # On a GPU: weights and KV cache in memory pools that keep their addresses across
     # sleep / wake_up, so the CUDA graphs need no recapture (see shoal/workers/sleep.py).
     enable_sleep_mode: bool = False
@@ -208,6 +210,8 @@ class EngineArgs:
     fully_sharded_loras: bool = False
     # What returned logprobs are: raw_logprobs, processed_logprobs, raw_logits, processed_logits.
     logprobs_mode: str = "raw_logprobs"
+    # A request's tokens and logprobs bitwise the same alone or in any batch (docs/batch_invariance.md).
+    batch_invariant: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -353,7 +357,17 @@ class EngineArgs:
             enable_sleep_mode=self.enable_sleep_mode,
             quantization=quantization,
             logprobs_mode=self.logprobs_mode,
+            batch_invariant=self._batch_invariant(quantization),
         )
+
+    def _batch_invariant(self, quantization: str | None) -> bool:
+        if self.batch_invariant:
+            _require(quantization is None, "batch_invariant supports float weights only (no quantization)")
+            _require(self.kv_cache_dtype == "auto", "batch_invariant needs kv_cache_dtype='auto'")
+            # Not yet made invariant: the adapters' grouped products and the drafts' verification.
+            _require(not self.enable_lora, "batch_invariant cannot be combined with enable_lora yet")
+            _require(self.speculative_config is None, "batch_invariant cannot be combined with speculative_config yet")
+        return bool(self.batch_invariant)
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.forward_context import get_forward_context
+from shoal.forward_context import AttentionMetadata, get_forward_context
 from shoal.kernels.paged_attention import paged_attention
 from shoal.kernels.reshape_and_cache import reshape_and_cache
 from shoal.layers.kv_cache_spec import KVCacheSpec, full_attention_spec
@@ -55,9 +55,15 @@ class Attention(nn.Module):
                 raise RuntimeError("attention ran with metadata but no KV cache bound to the layer")
             if not kv_cached:
                 reshape_and_cache(k, v, self.kv_cache, attn_metadata.slot_mapping)
-            # k and v too: fresh prompts can attend over them directly instead of the cache.
-            out = paged_attention(q, self.kv_cache, attn_metadata, self.scale, key=k, value=v)
+            out = self.attend(q, k, v, attn_metadata)
         return out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim] over the cache (holding this step's k and v) ->
+        [num_tokens, num_heads, head_dim]. k and v too: fresh prompts can attend over them
+        directly instead of the cache. (batch_invariant=True replaces it: shoal/layers/batch_invariant.py.)"""
+        assert self.kv_cache is not None
+        return paged_attention(q, self.kv_cache, attn_metadata, self.scale, key=k, value=v)
 
     def _forward_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """No metadata (a profiling or warm-up run): the whole batch as one causal sequence."""

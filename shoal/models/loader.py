@@ -55,6 +55,10 @@ def get_model(
             loaded = model.load_weights(weights)
             check_all_loaded(model, loaded)
         process_weights_after_loading(model)
+    if model_config.batch_invariant:
+        from shoal.layers.batch_invariant import make_batch_invariant
+
+        make_batch_invariant(model)
     logger.info(
         "Loaded %s (%s, %s%s) on %s in %.2f s",
         model_config.architecture,

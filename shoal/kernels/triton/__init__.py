@@ -40,6 +40,7 @@ def register_triton_kernels() -> bool:
         logger.debug("triton is not installed: no Triton kernels")
         return False
     from shoal.kernels.dispatch import register_kernel
+    from shoal.kernels.triton.batch_invariant import triton_bi_matmul, triton_bi_paged_attention, triton_bi_rms_norm
     from shoal.kernels.triton.fused_moe import triton_fused_moe
     from shoal.kernels.triton.fused_moe_block_fp8 import triton_fused_moe_block_fp8
     from shoal.kernels.triton.gemv import triton_gemv
@@ -65,4 +66,7 @@ def register_triton_kernels() -> bool:
     register_kernel("fused_moe_block_fp8", triton_fused_moe_block_fp8)
     register_kernel("lora_shrink", triton_lora_shrink)
     register_kernel("lora_expand", triton_lora_expand)
+    register_kernel("bi_matmul", triton_bi_matmul)
+    register_kernel("bi_rms_norm", triton_bi_rms_norm)
+    register_kernel("bi_paged_attention", triton_bi_paged_attention)
     return True
