@@ -70,11 +70,14 @@ _HELP = {
     "(default: the driver node's bundles first)",
     "num_gpus_per_worker": "each Ray worker's share of a GPU (below 1 when a colocated trainer shares it)",
     "num_cpus_per_worker": "each Ray worker's logical CPUs (CPU workers)",
+    "kv_events_config": "publish KV-cache events for routers, vLLM's JSON: "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}\' '
+    "(replay_endpoint, buffer_steps, hwm too; docs/routing.md) (default: none)",
     "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call "
     "(default: none)",
 }
 # Fields whose flag takes another form than their annotation: a placement group by its name.
-_FLAG_TYPES: dict[str, Any] = {"placement_group": str}
+_FLAG_TYPES: dict[str, Any] = {"placement_group": str, "kv_events_config": str}
 # The parsers' names (their modules import nothing heavy; spelled here so that --help needs no import).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")

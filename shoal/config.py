@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from shoal.kv_events.config import KVEventsConfig
+
 logger = logging.getLogger(__name__)
 
 Device = Literal["cpu", "cuda"]
@@ -126,6 +128,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    # Publishing KV-cache events (shoal/kv_events/); None: off.
+    kv_events_config: KVEventsConfig | None = None
 
 
 @dataclass
@@ -171,6 +175,9 @@ class EngineArgs:
     num_cpus_per_worker: float = 1.0
     # "pkg.module:Class": a mixin added to every worker, for collective_rpc (RL frameworks).
     worker_extension_cls: str | None = None
+    # KV-cache events for routers (vLLM's `--kv-events-config`): a JSON object, a dict or a
+    # `KVEventsConfig` (docs/routing.md).
+    kv_events_config: str | dict[str, Any] | KVEventsConfig | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -200,6 +207,7 @@ class EngineArgs:
             ),
             parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),
+            kv_events_config=KVEventsConfig.parse(self.kv_events_config),
         )
 
     def _async_scheduling(self, device: Device, parallel_config: ParallelConfig) -> bool:
