@@ -87,6 +87,8 @@ _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    # The command line as given: the router passes it on to the replicas it starts.
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if getattr(args, "handler", None) is None:
         parser.print_help()
         return 2
@@ -177,7 +179,20 @@ def add_serve_parser(subparsers: Any) -> None:
         type=int,
         default=None,
         help="serve through Ray Serve with this many replicas, each one engine (shoal.serve_ray) "
-        "(default: one engine, no Ray Serve)",
+        "(default: one engine, no Ray Serve); with --routing-policy, through shoal's router instead",
+    )
+    server.add_argument(
+        "--routing-policy",
+        default=None,
+        choices=("cache_aware", "round_robin", "session"),
+        help="with --num-replicas: N engine processes on this host behind shoal's router, which sends each "
+        "request to the replica holding the longest cached prefix balanced against load (cache_aware), in turn "
+        "(round_robin), or keeps each session on one replica (session) (docs/routing.md) (default: none: Ray Serve)",
+    )
+    server.add_argument(
+        "--session-header",
+        default="X-Session-Id",
+        help="the request header naming a conversation, whose requests the router keeps on one replica",
     )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
@@ -216,7 +231,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # rather than the default action; uvicorn handles it first for a graceful shutdown.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        if args.num_replicas is not None:
+        if args.routing_policy is not None:
+            from shoal.routing.replicas import run_routed
+
+            serve_argv = args.argv[args.argv.index("serve") + 1 :]
+            run_routed(
+                engine_args, server_args, args.num_replicas or 1, args.routing_policy, args.session_header, serve_argv
+            )
+        elif args.num_replicas is not None:
             from shoal.entrypoints.serve_ray import run_replicated
 
             run_replicated(engine_args, server_args, args.num_replicas)
