@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from starlette.requests import Request
 
 from shoal.kv_events.events import KVEventBatch
 from shoal.kv_events.subscriber import EventSubscriber
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Hop-by-hop headers, and those the forwarded body or answer sets anew.
-_DROPPED_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+_DROPPED_HEADERS = {"host", "date", "server", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
 # Errors that say the replica never got the request: safe to send it elsewhere.
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 
@@ -296,7 +297,7 @@ def _error(status: int, message: str) -> Any:
 def build_app(router: Router) -> Any:
     """The router's ASGI app: `/health`, `/metrics`, `/router/replicas`, every other path
     forwarded."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from starlette.responses import JSONResponse, Response
 
     @contextlib.asynccontextmanager
