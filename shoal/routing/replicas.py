@@ -9,9 +9,11 @@ tensor x pipeline parallel GPUs). The replicas end with the router.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,13 +67,14 @@ class LocalReplica:
     process: subprocess.Popen
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (the replica shuts its engine down), then SIGKILL to the whole group."""
         if self.process.poll() is None:
             self.process.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever of the group is left
+        self.process.wait()
 
 
 def start_local_replicas(
@@ -91,7 +94,8 @@ def start_local_replicas(
         env = dict(os.environ)
         if devices_per_replica is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices_per_replica[i]
-        process = subprocess.Popen(argv, env=env)
+        # A process group of its own: the replica and its engine-core process end together.
+        process = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_end_with_parent)
         endpoint = ReplicaEndpoint(
             url=f"http://127.0.0.1:{port}",
             events_endpoint=events_endpoint,
@@ -101,6 +105,16 @@ def start_local_replicas(
         )
         replicas.append(LocalReplica(endpoint, process))
     return replicas
+
+
+def _end_with_parent() -> None:
+    """In the replica's process before it runs (Linux): SIGTERM when the router dies, even by
+    SIGKILL, so that no replica outlives it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def wait_until_ready(replicas: Sequence[LocalReplica], timeout_s: float = READY_TIMEOUT_S) -> None:

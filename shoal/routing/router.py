@@ -36,7 +36,17 @@ logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Hop-by-hop headers, and those the forwarded body or answer sets anew.
-_DROPPED_HEADERS = {"host", "date", "server", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+_DROPPED_HEADERS = {
+    "host",
+    "date",
+    "server",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+}
 # Errors that say the replica never got the request: safe to send it elsewhere.
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 
