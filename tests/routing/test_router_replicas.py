@@ -109,6 +109,23 @@ def test_conversations_follow_their_cache_with_greedy_outputs_unchanged(routed) 
     assert all(r["num_cached_blocks"] > 0 and r["alive"] for r in replicas(url))
 
 
+def test_multi_turn_bench_reports_the_routers_hits(routed) -> None:
+    """`shoal bench serve --multi-turn` through the router: every turn answered, the hit rate
+    read from the replicas' counters (turns after the first hit their earlier prompt)."""
+    from shoal.bench import multi_turn
+    from shoal.cli import make_parser
+
+    url, model, _ = routed
+    argv = ["bench", "serve", "--base-url", url, "--multi-turn", "--num-sessions", "4", "--num-turns", "3"]
+    argv += ["--system-prompt-len", "16", "--user-len", "8", "--output-len", "4", "--max-concurrency", "2"]
+    args = make_parser().parse_args(argv)
+    report = multi_turn.run(args, url, model, vocab_size=380)
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["prefix_cache_queries"] == sum(4 * (16 + 8 + 12 * t) for t in range(3))
+    assert 0.5 < report["prefix_cache_hit_rate"] < 1.0
+    assert report["ttft_ms"]["mean"] > 0 and len(multi_turn.report_lines(report)) == 4
+
+
 def test_a_session_header_pins_and_a_dead_replica_is_skipped(routed) -> None:
     url, model, _ = routed
     prompt = SYSTEM + turn_tokens(9, 0)
