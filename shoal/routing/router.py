@@ -197,18 +197,29 @@ class Router:
         headers: dict[str, str],
         counted: bool,
     ) -> Any:
+        from starlette.background import BackgroundTask
         from starlette.responses import StreamingResponse
 
         url = f"{replica.url}{path}" + (f"?{query.decode()}" if query else "")
         sent = {k: v for k, v in headers.items() if k.lower() not in _DROPPED_HEADERS}
         outgoing = self._client.build_request(method, url, headers=sent, content=body)
-        if counted:
-            replica.num_requests += 1
+        # A routed request counts towards its replica's load until its answer has ended.
+        load = 1 if counted else 0
+        replica.num_requests += load
+        done = False
+
+        async def release() -> None:
+            """Once, whichever comes first: the stream's end, the response's background task."""
+            nonlocal done
+            if not done:
+                done = True
+                replica.num_requests -= load
+                await answer.aclose()
+
         try:
             answer = await self._client.send(outgoing, stream=True)
         except BaseException:
-            if counted:
-                replica.num_requests -= 1
+            replica.num_requests -= load
             raise
 
         async def relay() -> AsyncIterator[bytes]:
@@ -216,13 +227,14 @@ class Router:
                 async for chunk in answer.aiter_raw():
                     yield chunk
             finally:
-                if counted:
-                    replica.num_requests -= 1
-                await answer.aclose()
+                await release()
 
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in _DROPPED_HEADERS}
         kept["x-shoal-replica"] = replica.name
-        return StreamingResponse(relay(), status_code=answer.status_code, headers=kept)
+        # The background task covers a response never iterated (its client gone before it started).
+        return StreamingResponse(
+            relay(), status_code=answer.status_code, headers=kept, background=BackgroundTask(release)
+        )
 
     # ---- health ---------------------------------------------------------------------------------
 

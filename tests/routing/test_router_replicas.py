@@ -106,7 +106,8 @@ def test_conversations_follow_their_cache_with_greedy_outputs_unchanged(routed) 
         float(line.rsplit(" ", 1)[1]) for line in hits.splitlines() if line.startswith("shoal:prefix_cache_hits_total")
     )
     assert total >= 8 * (len(SYSTEM) + 8)  # later turns hit (nearly) their whole earlier prompt
-    assert all(r["num_cached_blocks"] > 0 and r["alive"] for r in replicas(url))
+    view = replicas(url)
+    assert all(r["num_cached_blocks"] > 0 and r["alive"] and r["num_requests"] == 0 for r in view), view
 
 
 def test_multi_turn_bench_reports_the_routers_hits(routed) -> None:
