@@ -55,6 +55,9 @@ class EngineCore(GenerationControl, WeightUpdateControl):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         start = time.perf_counter()
+        # KV-cache events (shoal/kv_events/): collected by the block pool, published once a step.
+        # First, so that an endpoint that cannot be bound fails before the model loads.
+        self.kv_events = make_event_publisher(config.kv_events_config)
         self.executor = executor if executor is not None else Executor.create(config)
         num_kv_blocks = self.executor.initialize_kv_cache()
         self._check_capacity(num_kv_blocks)
@@ -78,8 +81,6 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             deque() if self.batch_queue_size > 1 else None
         )
         self.step_times = StepTimes()
-        # KV-cache events (shoal/kv_events/): collected by the block pool, published once a step.
-        self.kv_events = make_event_publisher(config.kv_events_config)
         if self.kv_events is not None:
             self.scheduler.kv_cache_manager.block_pool.kv_events = []
         parallel = config.parallel_config

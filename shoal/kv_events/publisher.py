@@ -54,12 +54,18 @@ class ZmqEventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(config.endpoint)
         self._replay: zmq.Socket | None = None
-        if config.replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+        try:
+            self._pub.bind(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._context.destroy(linger=0)
+            raise ValueError(
+                f"kv_events_config: cannot bind {config.endpoint} / {config.replay_endpoint}: {exc}"
+            ) from exc
         self._thread = threading.Thread(target=self._run, name="shoal-kv-events", daemon=True)
         self._thread.start()
         logger.info("publishing KV-cache events on %s (topic %r)", config.endpoint, config.topic)

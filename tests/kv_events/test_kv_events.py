@@ -174,3 +174,5 @@ def test_bad_configs_are_value_errors() -> None:
             KVEventsConfig.parse(bad)
     parsed = KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "null"}')
     assert parsed is not None and not parsed.enabled
+    with pytest.raises(ValueError, match="cannot bind"):
+        ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://no-such-host.invalid:1"))
