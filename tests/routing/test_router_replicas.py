@@ -141,3 +141,10 @@ def test_a_session_header_pins_and_a_dead_replica_is_skipped(routed) -> None:
     view = {r["name"]: r for r in replicas(url)}
     assert not view[replica]["alive"] and view[replica]["num_cached_blocks"] == 0
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    bad = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=30)  # the replica's 400
+    assert bad.status_code == 400 and "error" in bad.json()
+    last = next(r for r in view.values() if r["name"] != replica)
+    os.killpg(last["pid"], signal.SIGKILL)
+    gone = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1}, timeout=30)
+    assert gone.status_code == 503 and gone.json()["error"]["message"] == "no replica is available"
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 503
