@@ -74,6 +74,9 @@ _HELP = {
     "num_cpus_per_worker": "each Ray worker's logical CPUs (CPU workers)",
     "speculative_config": 'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
     "(methods: ngram, draft_model, eagle, eagle3, mtp; see docs/spec_decode.md) (default: none)",
+    "kv_events_config": "publish KV-cache events for routers, vLLM's JSON: "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}\' '
+    "(replay_endpoint, buffer_steps, hwm too; docs/routing.md) (default: none)",
     "worker_extension_cls": "pkg.module:Class, a mixin added to every worker whose methods collective_rpc can call "
     "(default: none)",
     "enable_lora": "serve LoRA adapters (docs/lora.md)",
@@ -84,7 +87,7 @@ _HELP = {
     "fully_sharded_loras": "LoRA: split A's rank (column-parallel) and B's output (row-parallel) across TP ranks too",
 }
 # Fields whose flag takes another form than their annotation: a placement group by its name.
-_FLAG_TYPES: dict[str, Any] = {"placement_group": str, "speculative_config": str}
+_FLAG_TYPES: dict[str, Any] = {"placement_group": str, "speculative_config": str, "kv_events_config": str}
 # The parsers' names (their modules import nothing heavy; spelled here so that --help needs no import).
 TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31")
 REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
@@ -94,6 +97,8 @@ _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgGtT]?)(i?)[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    # The command line as given: the router passes it on to the replicas it starts.
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if getattr(args, "handler", None) is None:
         parser.print_help()
         return 2
@@ -196,7 +201,20 @@ def add_serve_parser(subparsers: Any) -> None:
         type=int,
         default=None,
         help="serve through Ray Serve with this many replicas, each one engine (shoal.serve_ray) "
-        "(default: one engine, no Ray Serve)",
+        "(default: one engine, no Ray Serve); with --routing-policy, through shoal's router instead",
+    )
+    server.add_argument(
+        "--routing-policy",
+        default=None,
+        choices=("cache_aware", "round_robin", "session"),
+        help="with --num-replicas: N engine processes on this host behind shoal's router, which sends each "
+        "request to the replica holding the longest cached prefix balanced against load (cache_aware), in turn "
+        "(round_robin), or keeps each session on one replica (session) (docs/routing.md) (default: none: Ray Serve)",
+    )
+    server.add_argument(
+        "--session-header",
+        default="X-Session-Id",
+        help="the request header naming a conversation, whose requests the router keeps on one replica",
     )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
@@ -235,7 +253,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # rather than the default action; uvicorn handles it first for a graceful shutdown.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        if args.num_replicas is not None:
+        if args.routing_policy is not None:
+            from shoal.routing.replicas import run_routed
+
+            serve_argv = args.argv[args.argv.index("serve") + 1 :]
+            run_routed(
+                engine_args, server_args, args.num_replicas or 1, args.routing_policy, args.session_header, serve_argv
+            )
+        elif args.num_replicas is not None:
             from shoal.entrypoints.serve_ray import run_replicated
 
             run_replicated(engine_args, server_args, args.num_replicas)

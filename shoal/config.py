@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from shoal.spec_decode.config import SpeculativeConfig
 
+from shoal.kv_events.config import KVEventsConfig
+
 logger = logging.getLogger(__name__)
 
 Device = Literal["cpu", "cuda"]
@@ -154,6 +156,8 @@ class EngineConfig:
     # Speculative decoding (docs/spec_decode.md); None: none.
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None  # None: no adapters (enable_lora=False)
+    # Publishing KV-cache events (shoal/kv_events/); None: off.
+    kv_events_config: KVEventsConfig | None = None
 
 
 @dataclass
@@ -212,6 +216,9 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     # A request's tokens and logprobs bitwise the same alone or in any batch (docs/batch_invariance.md).
     batch_invariant: bool = False
+    # KV-cache events for routers (vLLM's `--kv-events-config`): a JSON object, a dict or a
+    # `KVEventsConfig` (docs/routing.md).
+    kv_events_config: str | dict[str, Any] | KVEventsConfig | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate the arguments and build the frozen config (raises `ValueError`)."""
@@ -245,6 +252,7 @@ class EngineArgs:
             device_config=DeviceConfig(device=device),
             speculative_config=speculative_config,
             lora_config=self._lora_config(),
+            kv_events_config=KVEventsConfig.parse(self.kv_events_config),
         )
 
     def _lora_config(self) -> LoRAConfig | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.bench import multi_turn
 from shoal.bench.report import environment, format_table, print_lines, summarize, write_json
 from shoal.bench.workloads import BenchRequest, Workload, add_workload_args, build_workload, random_token_ids
 
@@ -81,6 +82,7 @@ def add_parser(subparsers: Any) -> None:
     output = parser.add_argument_group("output")
     output.add_argument("--output-json", default=None, help="write the report here (default: printed only)")
     output.add_argument("--plot", default=None, help="the sweep's PNG (default: --output-json with .png)")
+    multi_turn.add_args(parser)
     parser.set_defaults(handler=main)
 
 
@@ -429,6 +431,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import httpx
 
     try:
+        if args.multi_turn:
+            return run_multi_turn(args)
         load_points(args)
         report = run(args)
     except (ValueError, TimeoutError, httpx.HTTPError) as exc:
@@ -441,4 +445,15 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
         plot_sweep(report, plot_path)
         print_lines(f"plot: {plot_path}")
+    return 0
+
+
+def run_multi_turn(args: argparse.Namespace) -> int:
+    """`--multi-turn` (shoal/bench/multi_turn.py): sessions in place of the workload."""
+    if args.ready_timeout > 0:
+        wait_until_healthy(args.base_url, args.ready_timeout)
+    served = discover_model(args.base_url, args.model, args.tokenizer, args.api_key)
+    report = multi_turn.run(args, args.base_url, served.name, vocab_size_of(served.folder))
+    write_json(args.output_json, report)
+    print_lines(*multi_turn.report_lines(report))
     return 0

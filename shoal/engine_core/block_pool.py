@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from shoal.kv_events.events import AllBlocksCleared, BlockRemoved, KVEvent
+
 
 class KVCacheBlock:
     __slots__ = ("block_hash", "block_id", "ref_cnt")
@@ -34,6 +36,9 @@ class BlockPool:
         # Free blocks in eviction order: the first is the next to be reused.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVCacheBlock] = {}
+        # KV-cache events since the engine last took them (a list only while they are
+        # published: see shoal/kv_events/); None costs one test per eviction.
+        self.kv_events: list[KVEvent] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,21 +80,31 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a full block under its hash. An equal block cached earlier stays the one
-        that future requests find; this one is then simply not shared."""
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a full block under its hash; False if it was not. An equal block cached
+        earlier stays the one that future requests find; this one is then simply not shared."""
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The events collected since the last call (none unless collecting)."""
+        events, self.kv_events = self.kv_events, ([] if self.kv_events is not None else None)
+        return events or []
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (after a weight update, cached KV is stale)."""
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.append(BlockRemoved(block_hashes=[block.block_hash]))
             block.block_hash = None

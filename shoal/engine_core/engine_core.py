@@ -28,6 +28,7 @@ from shoal.engine_core.weight_updates import WeightUpdateControl
 from shoal.engine_core.worker_restarts import RestartBudget
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
+from shoal.kv_events.publisher import make_event_publisher
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 from shoal.step import SchedulerOutput
 
@@ -56,6 +57,9 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         start = time.perf_counter()
+        # KV-cache events (shoal/kv_events/): collected by the block pool, published once a step.
+        # First, so that an endpoint that cannot be bound fails before the model loads.
+        self.kv_events = make_event_publisher(config.kv_events_config)
         self.executor = executor if executor is not None else Executor.create(config)
         num_kv_blocks = self.executor.initialize_kv_cache()
         self._check_capacity(num_kv_blocks)
@@ -81,6 +85,8 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
             deque() if self.batch_queue_size > 1 else None
         )
         self.step_times = StepTimes()
+        if self.kv_events is not None:
+            self.scheduler.kv_cache_manager.block_pool.kv_events = []
         parallel = config.parallel_config
         self.restart_budget = RestartBudget(parallel.max_worker_restarts, parallel.worker_restart_window_s)
         self._init_generation_control()
@@ -124,7 +130,17 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        """Run one batch: schedule it, execute it on the workers, apply what they sampled."""
+        """Run one batch: schedule it, execute it on the workers, apply what they sampled; then
+        publish the KV-cache events the step caused."""
+        outputs = self._step()
+        self.publish_kv_events()
+        return outputs
+
+    def publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.take_kv_events())
+
+    def _step(self) -> EngineCoreOutputs:
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
         start = time.perf_counter()
@@ -280,7 +296,9 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         return self.executor.collective_rpc(method, args, kwargs, timeout)
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()  # AllBlocksCleared goes out now, not with the next step
+        return reset
 
     def get_stats(self) -> dict[str, Any]:
         stats = self.scheduler.make_stats()
@@ -310,6 +328,8 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
             self.recover_from_worker_death(exc)
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.structured_output.shutdown()
         self.executor.shutdown()
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shoal.engine_core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine_core.request import Request
+from shoal.kv_events.events import stored_events
 
 _ROOT_HASH = b"shoal-kv-root"
 
@@ -150,8 +151,11 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        stored = [i for i in range(start, num_full) if self.block_pool.cache_block(blocks[i], request.block_hashes[i])]
+        if self.block_pool.kv_events is not None and stored:
+            self.block_pool.kv_events += stored_events(
+                request.block_hashes, request.all_token_ids, self.block_size, stored
+            )
         self.num_cached_blocks[request.request_id] = num_full
 
     def _update_block_hashes(self, request: Request) -> None:
