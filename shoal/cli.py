@@ -45,6 +45,8 @@ _HELP = {
     "gpu_memory_utilization": "the fraction of GPU memory shoal may use",
     "kv_cache_memory_bytes": "the KV cache's size; accepts 4GiB, 512MiB, ... "
     "(default: 1 GiB on CPU; on GPU what --gpu-memory-utilization leaves after the weights and activations)",
+    "kv_offload_bytes": "keep blocks evicted from the prefix cache in this much host memory (pinned on GPU) and "
+    "load them back on a hit instead of recomputing; accepts 4GiB, 512MiB, ... (default: 0, none)",
     "num_gpu_blocks_override": "force the number of KV-cache blocks (default: as many as the KV cache's size holds)",
     "load_format": "auto: the checkpoint's weights; dummy: random weights of the real shapes",
     "seed": "the engine's random seed",

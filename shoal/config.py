@@ -60,6 +60,8 @@ class CacheConfig:
     # Forces the number of KV blocks (tests use it to force preemption).
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    # The host-memory tier under the prefix cache, in bytes (0: none; shoal/kv_transfer/host_tier.py).
+    kv_offload_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # Blocks evicted from the prefix cache are kept in this much host memory (0: not kept).
+    kv_offload_bytes: int = 0
     load_format: str = "auto"
     seed: int = 0
     device: str = "auto"
@@ -181,6 +185,11 @@ class EngineArgs:
         _require(max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be a power of 2 <= 128")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        _require(self.kv_offload_bytes >= 0, "kv_offload_bytes must be at least 0")
+        _require(
+            not self.kv_offload_bytes or self.enable_prefix_caching,
+            "kv_offload_bytes needs prefix caching: the host tier keeps the prefix cache's evicted blocks",
+        )
         parallel_config = self._parallel_config(model_config)
         return EngineConfig(
             model_config=model_config,
@@ -191,6 +200,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_offload_bytes=self.kv_offload_bytes,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

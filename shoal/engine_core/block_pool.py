@@ -9,7 +9,7 @@ hash.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KVCacheBlock:
@@ -34,6 +34,10 @@ class BlockPool:
         # Free blocks in eviction order: the first is the next to be reused.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVCacheBlock] = {}
+        # Told of each cached block as it is evicted (its hash still set) and of a reset of the
+        # whole cache: the host-memory tier (shoal/kv_transfer/host_tier.py) listens.
+        self.evict_listeners: list[Callable[[KVCacheBlock], None]] = []
+        self.reset_listeners: list[Callable[[], None]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -88,8 +92,12 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        for listener in self.reset_listeners:
+            listener()
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            for listener in self.evict_listeners:
+                listener(block)
             del self._cached[block.block_hash]
             block.block_hash = None

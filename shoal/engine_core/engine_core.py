@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shoal.config import EngineConfig
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.request import Request
@@ -26,6 +28,7 @@ from shoal.engine_core.weight_updates import WeightUpdateControl
 from shoal.engine_core.worker_restarts import RestartBudget
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
+from shoal.kv_transfer.host_tier import host_tier_stats, start_host_tier
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 from shoal.step import SchedulerOutput
 
@@ -68,6 +71,8 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             structured_output=self.structured_output,
             samples_later=self.executor.samples_later,
         )
+        # The host-memory tier under the prefix cache (--kv-offload-bytes), the scheduler's connector.
+        self.host_tier = start_host_tier(config, self.executor, self.scheduler)
         # A launched step whose bitmask follows it and is still owed to the workers (async
         # scheduling: it is filled once the step before it has landed).
         self._grammar_owed: SchedulerOutput | None = None
@@ -123,7 +128,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
         start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._idle_outputs()
         execute_start = time.perf_counter()
@@ -147,7 +152,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         assert self.batch_queue is not None
         start = time.perf_counter()
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_schedulable_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
                 launch_start = time.perf_counter()
                 future = self.executor.execute_model(scheduler_output, non_block=True)
@@ -172,6 +177,14 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         own_s = schedule_s + (time.perf_counter() - start - wait_s)
         self.step_times.record(own_s + launch_s + wait_s, launch_s + wait_s)
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the host tier's block copies it must make first."""
+        scheduler_output = self.scheduler.schedule()
+        copies = self.host_tier.take_block_copies() if self.host_tier is not None else None
+        if copies is not None:
+            scheduler_output = msgspec.structs.replace(scheduler_output, kv_block_copies=copies)
+        return scheduler_output
 
     # ---- a worker's death --------------------------------------------------------------------
 
@@ -293,6 +306,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             "step_s": self.step_times.total_s,
             "execute_model_s": self.step_times.execute_s,
             "num_worker_restarts": self.restart_budget.num_restarts,
+            **(host_tier_stats(self.host_tier) if self.host_tier is not None else {}),
         }
 
     def check_health(self) -> None:

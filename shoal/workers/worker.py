@@ -14,7 +14,7 @@ import gc
 import logging
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
 from shoal.workers.sleep import KV_CACHE, WEIGHTS, WorkerSleep
 from shoal.workers.weight_updates import WeightUpdates
+
+if TYPE_CHECKING:
+    from shoal.kv_transfer.host_pool import HostKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,8 @@ class Worker:
         # memory, which KV-cache sizing does not charge to the engine (gpu_memory.py).
         self.device_used_at_start_bytes = 0
         self.weight_updates = WeightUpdates(self)
+        # The host-memory tier's blocks (shoal/kv_transfer/host_pool.py), when the engine has one.
+        self.host_kv_pool: HostKVPool | None = None
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -139,11 +144,23 @@ class Worker:
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_logits()
 
+    def init_kv_offload(self, kv_offload_bytes: int) -> int:
+        """Allocate the host-memory tier beside the KV cache; returns its number of blocks."""
+        from shoal.kv_transfer.host_pool import HostKVPool
+
+        num_host_blocks = HostKVPool.num_blocks_for(kv_offload_bytes, self.runner.kv_caches)
+        if num_host_blocks > 0:
+            self.host_kv_pool = HostKVPool(self.runner.kv_caches, num_host_blocks)
+        return num_host_blocks
+
     # ---- steps and calls -------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Any:
         """The step's output (None on ranks that do not sample); with `non_block`, a handle
-        whose `result()` waits for it (see `ModelRunner.execute_model`)."""
+        whose `result()` waits for it (see `ModelRunner.execute_model`). The host tier's copies
+        go first: the forward may read the blocks they load and overwrite those they offload."""
+        if scheduler_output.kv_block_copies is not None and self.host_kv_pool is not None:
+            self.host_kv_pool.apply(scheduler_output.kv_block_copies)
         return self.runner.execute_model(scheduler_output, non_block)
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
@@ -188,6 +205,8 @@ class Worker:
         return "cpu" if self.placement is None else f"cpu:{self.placement}"
 
     def shutdown(self) -> None:
+        if self.host_kv_pool is not None:
+            self.host_kv_pool.close()
         self.weight_updates.destroy_group()
         self.model_runner = None
         self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone

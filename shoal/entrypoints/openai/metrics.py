@@ -53,6 +53,15 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        # The host-memory tier (--kv-offload-bytes): zero without one.
+        self.kv_offload_counters = {
+            key: counter(key, doc).labels(model_name)
+            for key, doc in (
+                ("kv_offload_host_hit_tokens", "Prompt tokens loaded from the host KV tier instead of recomputed."),
+                ("kv_offload_blocks_loaded", "KV blocks copied from the host tier back to the device."),
+                ("kv_offload_blocks_offloaded", "KV blocks evicted from the device prefix cache to the host tier."),
+            )
+        }
         self.num_requests_running = gauge("num_requests_running", "Requests being computed.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
@@ -173,6 +182,8 @@ class ServerMetrics:
         self._advance(self.prefix_cache_queries.labels(self.model_name), "prefix_cache_queries", stats)
         self._advance(self.prefix_cache_hits.labels(self.model_name), "prefix_cache_hits", stats)
         self._advance(self.num_preemptions.labels(self.model_name), "num_preemptions", stats)
+        for key, kv_offload_counter in self.kv_offload_counters.items():
+            self._advance(kv_offload_counter, key, stats)
 
     def _advance(self, counter: Any, key: str, stats: dict[str, Any]) -> None:
         """Move a Prometheus counter up to a cumulative value the engine core reports."""
