@@ -30,6 +30,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "distributed_executor_backend": EXECUTOR_BACKENDS,
     "device": ("auto", "cpu", "cuda"),
     "placement_strategy": PLACEMENT_STRATEGIES,
+    "kv_transfer_role": ("prefill", "decode", "both"),
 }
 _HELP = {
     "model": "a local Hugging Face folder (config.json, safetensors, tokenizer) (default: the demo model)",
@@ -47,6 +48,8 @@ _HELP = {
     "(default: 1 GiB on CPU; on GPU what --gpu-memory-utilization leaves after the weights and activations)",
     "kv_offload_bytes": "keep blocks evicted from the prefix cache in this much host memory (pinned on GPU) and "
     "load them back on a hit instead of recomputing; accepts 4GiB, 512MiB, ... (default: 0, none)",
+    "kv_transfer_role": "prefill/decode disaggregation: this engine saves (prefill) or loads (decode) the KV of "
+    "requests that carry kv_transfer_params (default: neither; `--disaggregate` sets it)",
     "num_gpu_blocks_override": "force the number of KV-cache blocks (default: as many as the KV cache's size holds)",
     "load_format": "auto: the checkpoint's weights; dummy: random weights of the real shapes",
     "seed": "the engine's random seed",

@@ -6,6 +6,8 @@ Every value is checked in `__post_init__`; a bad one raises `ValueError` naming 
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shoal.structured_output.params import StructuredOutputsParams
@@ -56,6 +58,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     # The output must match a JSON schema, regex, choice or grammar (vLLM's structured outputs).
     structured_outputs: StructuredOutputsParams | None = None
+    # What extensions read (vLLM's name): "kv_transfer_params", set by the prefill/decode proxy
+    # (shoal/kv_transfer/params.py), is the only key shoal reads.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -29,6 +29,7 @@ from shoal.engine_core.worker_restarts import RestartBudget
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
 from shoal.kv_transfer.host_tier import host_tier_stats, start_host_tier
+from shoal.kv_transfer.pd_connector import start_kv_transfer
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 from shoal.step import SchedulerOutput
 
@@ -73,6 +74,8 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         )
         # The host-memory tier under the prefix cache (--kv-offload-bytes), the scheduler's connector.
         self.host_tier = start_host_tier(config, self.executor, self.scheduler)
+        # Prefill/decode disaggregation (kv_transfer_role): saves after prefills, loads before decodes.
+        self.kv_transfer = start_kv_transfer(config, self.executor, self.scheduler, inner=self.host_tier)
         # A launched step whose bitmask follows it and is still owed to the workers (async
         # scheduling: it is filled once the step before it has landed).
         self._grammar_owed: SchedulerOutput | None = None
@@ -140,7 +143,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         except WorkerDiedError as exc:
             return self.recover_from_worker_death(exc)
         execute_s = time.perf_counter() - execute_start
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self._apply_output(scheduler_output, model_output)
         self.step_times.record(time.perf_counter() - start, execute_s)
         return outputs
 
@@ -170,7 +173,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         except WorkerDiedError as exc:
             return self.recover_from_worker_death(exc)
         wait_s = time.perf_counter() - wait_start
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self._apply_output(scheduler_output, model_output)
         self._send_owed_grammar()
         # The engine's own time for this step is scheduling it and applying its output; the
         # launch and the wait are the workers'.
@@ -179,12 +182,26 @@ class EngineCore(GenerationControl, WeightUpdateControl):
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's next step, with the host tier's block copies it must make first."""
+        """The scheduler's next step, with the host tier's block copies it must make first;
+        transferred KV it reads is loaded before it runs."""
         scheduler_output = self.scheduler.schedule()
         copies = self.host_tier.take_block_copies() if self.host_tier is not None else None
         if copies is not None:
             scheduler_output = msgspec.structs.replace(scheduler_output, kv_block_copies=copies)
+        if self.kv_transfer is not None:
+            self.kv_transfer.run_loads()
         return scheduler_output
+
+    def _apply_output(self, scheduler_output: SchedulerOutput, model_output: Any) -> EngineCoreOutputs:
+        """Apply a step's output; prefills to hand to a decode engine are saved before their
+        freed blocks can be reused."""
+        if self.kv_transfer is None:
+            return self.scheduler.update_from_output(scheduler_output, model_output)
+        to_save = self.kv_transfer.blocks_to_save(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if to_save:
+            self.kv_transfer.save_finished(to_save, outputs)
+        return outputs
 
     # ---- a worker's death --------------------------------------------------------------------
 
@@ -307,6 +324,7 @@ class EngineCore(GenerationControl, WeightUpdateControl):
             "execute_model_s": self.step_times.execute_s,
             "num_worker_restarts": self.restart_budget.num_restarts,
             **(host_tier_stats(self.host_tier) if self.host_tier is not None else {}),
+            **(self.kv_transfer.stats_dict() if self.kv_transfer is not None else {}),
         }
 
     def check_health(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -22,14 +23,16 @@ logger = logging.getLogger(__name__)
 
 
 class HostKVPool:
-    def __init__(self, kv_caches: list[torch.Tensor], num_host_blocks: int) -> None:
-        device = kv_caches[0].device
-        pin = device.type == "cuda"
+    def __init__(self, kv_caches: Callable[[], list[torch.Tensor]], num_host_blocks: int) -> None:
+        """`kv_caches` gives the device caches of the moment (a restarted worker allocates new
+        ones; the engine core then forgets what the host held)."""
         self.kv_caches = kv_caches
+        device = kv_caches()[0].device
+        pin = device.type == "cuda"
         # [num_host_blocks, num_parts, block_size, num_kv_heads, head_size] per layer
         self.host_caches = [
             torch.empty((num_host_blocks, cache.shape[0], *cache.shape[2:]), dtype=cache.dtype, pin_memory=pin)
-            for cache in kv_caches
+            for cache in kv_caches()
         ]
         self.stream = torch.cuda.Stream(device) if pin else None
         logger.info(
@@ -59,7 +62,7 @@ class HostKVPool:
     @torch.inference_mode()
     def _copy(self, copies: KVBlockCopies) -> None:
         non_blocking = self.stream is not None
-        for cache, host in zip(self.kv_caches, self.host_caches, strict=True):
+        for cache, host in zip(self.kv_caches(), self.host_caches, strict=True):
             for block_id, host_id in zip(copies.offload_block_ids, copies.offload_host_ids, strict=True):
                 host[host_id].copy_(cache[:, block_id], non_blocking=non_blocking)
             for host_id, block_id in zip(copies.load_host_ids, copies.load_block_ids, strict=True):

@@ -31,6 +31,7 @@ from shoal.workers.weight_updates import WeightUpdates
 
 if TYPE_CHECKING:
     from shoal.kv_transfer.host_pool import HostKVPool
+    from shoal.kv_transfer.worker_side import KVTransferWorker
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class Worker:
         self.weight_updates = WeightUpdates(self)
         # The host-memory tier's blocks (shoal/kv_transfer/host_pool.py), when the engine has one.
         self.host_kv_pool: HostKVPool | None = None
+        # Prefill/decode disaggregation's KV transfers (shoal/kv_transfer/worker_side.py), made
+        # at the first one.
+        self.kv_transfer: KVTransferWorker | None = None
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -150,8 +154,23 @@ class Worker:
 
         num_host_blocks = HostKVPool.num_blocks_for(kv_offload_bytes, self.runner.kv_caches)
         if num_host_blocks > 0:
-            self.host_kv_pool = HostKVPool(self.runner.kv_caches, num_host_blocks)
+            self.host_kv_pool = HostKVPool(lambda: self.runner.kv_caches, num_host_blocks)
         return num_host_blocks
+
+    def save_kv(self, transfer_id: str, block_ids: list[int]) -> float:
+        """Publish a prefilled request's KV blocks for a decode engine; returns the seconds."""
+        return self._kv_transfer().save(transfer_id, block_ids)
+
+    def load_kv(self, transfer_id: str, first_block: int, block_ids: list[int], timeout_s: float) -> float:
+        """Copy a transfer's blocks into this worker's `block_ids` (`KVTransferError` if it fails)."""
+        return self._kv_transfer().load(transfer_id, first_block, block_ids, timeout_s)
+
+    def _kv_transfer(self) -> KVTransferWorker:
+        from shoal.kv_transfer.worker_side import KVTransferWorker
+
+        if self.kv_transfer is None or self.kv_transfer.runner is not self.runner:
+            self.kv_transfer = KVTransferWorker(self.runner, self.rank)
+        return self.kv_transfer
 
     # ---- steps and calls -------------------------------------------------------------------
 
@@ -207,6 +226,8 @@ class Worker:
     def shutdown(self) -> None:
         if self.host_kv_pool is not None:
             self.host_kv_pool.close()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.weight_updates.destroy_group()
         self.model_runner = None
         self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone
