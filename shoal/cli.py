@@ -181,6 +181,20 @@ def add_serve_parser(subparsers: Any) -> None:
         help="serve through Ray Serve with this many replicas, each one engine (shoal.serve_ray) "
         "(default: one engine, no Ray Serve)",
     )
+    server.add_argument(
+        "--disaggregate",
+        default=None,
+        metavar="prefill=N,decode=M",
+        help="prefill/decode disaggregation on Ray: N prefill and M decode engines behind this server, "
+        "each request prefilled on one, its KV moved, decoded on another (docs/disaggregation.md)",
+    )
+    server.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=10.0,
+        help="with --disaggregate: seconds a decode engine waits for a request's KV; an engine silent this "
+        "long x3 is taken for dead (the request is retried on others, then fails with 503)",
+    )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
         "--tool-call-parser",
@@ -222,6 +236,10 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from shoal.entrypoints.serve_ray import run_replicated
 
             run_replicated(engine_args, server_args, args.num_replicas)
+        elif args.disaggregate is not None:
+            from shoal.entrypoints.disaggregated.serve import run_disaggregated
+
+            run_disaggregated(engine_args, server_args, args.disaggregate, args.kv_transfer_timeout)
         else:
             run_server(engine_args, server_args)
     except KeyboardInterrupt:
