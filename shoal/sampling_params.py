@@ -73,6 +73,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        if self.extra_args:
+            from shoal.kv_transfer.params import transfer_params
+
+            transfer_params(self.extra_args)  # a malformed one is refused here, not in the engine
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")

@@ -177,6 +177,24 @@ def test_prefill_and_decode_engines_give_the_single_engines_tokens(
     assert not _leftover_transfers("mixed-")
 
 
+def test_an_aborted_stream_frees_its_blocks_on_both_engines(
+    proxy: DisaggregatedLLM, single: LLM, loop: asyncio.AbstractEventLoop
+) -> None:
+    prompt = single.get_tokenizer().encode("Abort me after my first token, please, right away.")
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def first_token_then_close() -> None:
+        stream = proxy.generate({"prompt_token_ids": prompt}, params, "abort-me")
+        async for output in stream:
+            if output.outputs[0].token_ids:
+                break
+        await stream.aclose()  # what a client that disconnects does
+
+    loop.run_until_complete(asyncio.wait_for(first_token_then_close(), 60))
+    assert _settled_stats(proxy, loop)["num_used_blocks"] == 0
+    assert not _leftover_transfers("abort-me")
+
+
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_killed_engine_ends_each_request_with_a_retry_or_a_503_in_time(
     proxy: DisaggregatedLLM, single: LLM, loop: asyncio.AbstractEventLoop, role: str
