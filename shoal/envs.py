@@ -68,3 +68,6 @@ def forwarded_environment() -> dict[str, str]:
 SHOAL_KV_TRANSFER_DIR: str = _str(
     "SHOAL_KV_TRANSFER_DIR", "/dev/shm/shoal-kv" if os.path.isdir("/dev/shm") else "/tmp/shoal-kv"
 )
+# The KV transport of prefill/decode disaggregation: shm, cuda_ipc or nccl (empty: CUDA IPC on
+# GPU, shared memory on CPU; shoal/kv_transfer/transport.py).
+SHOAL_KV_TRANSPORT: str = _str("SHOAL_KV_TRANSPORT", "")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shoal import envs
 from shoal.kv_transfer.layout import KVLayout, LayerLayout
 
 if TYPE_CHECKING:
@@ -47,11 +48,20 @@ class KVTransport(abc.ABC):
         """Release whatever this process still publishes."""
 
 
-def make_transport(device: torch.device) -> KVTransport:
-    if device.type == "cuda":
+def make_transport(device: torch.device, kind: str | None = None) -> KVTransport:
+    """`kind`: "shm", "cuda_ipc" or "nccl" (SHOAL_KV_TRANSPORT); by default CUDA IPC on GPU
+    (engines sharing a host's GPUs), shared memory on CPU."""
+    kind = kind or envs.SHOAL_KV_TRANSPORT or ("cuda_ipc" if device.type == "cuda" else "shm")
+    if kind == "nccl":
+        from shoal.kv_transfer.nccl_transport import NcclTransport
+
+        return NcclTransport(device)
+    if kind == "cuda_ipc":
         from shoal.kv_transfer.cuda_ipc import CudaIpcTransport
 
         return CudaIpcTransport()
+    if kind != "shm":
+        raise ValueError(f"SHOAL_KV_TRANSPORT must be shm, cuda_ipc or nccl, got {kind!r}")
     from shoal.kv_transfer.shm_transport import SharedMemoryTransport
 
     return SharedMemoryTransport()

@@ -94,3 +94,41 @@ def _load_in_child(directory: str) -> float:
     target = _caches(3, "cuda")
     load_blocks(CudaIpcTransport(directory), "ipc-1", LAYOUT, target, first_block=0, block_ids=[2, 0], timeout_s=5.0)
     return sum(float(c[:, [2, 0]].float().sum()) for c in target)
+
+
+def test_make_transport_by_kind(tmp_path) -> None:
+    from shoal.kv_transfer.transport import make_transport
+
+    assert isinstance(make_transport(torch.device("cpu")), SharedMemoryTransport)
+    with pytest.raises(ValueError, match="SHOAL_KV_TRANSPORT"):
+        make_transport(torch.device("cpu"), "carrier-pigeon")
+
+
+@pytest.mark.gpu
+def test_nccl_pull_between_two_gpus(tmp_path) -> None:
+    """The decode side (GPU 1, another process) pulls what the prefill side (GPU 0) saved."""
+    import multiprocessing
+
+    from shoal.kv_transfer.nccl_transport import NcclTransport
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    transport = NcclTransport(torch.device("cuda", 0), str(tmp_path))
+    source = _caches(6, "cuda:0")
+    save_blocks(transport, "nccl-1", LAYOUT, source, [4, 1])
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        checksum = pool.apply(_pull_in_child, (str(tmp_path),))
+    assert checksum == pytest.approx(sum(float(c[:, [4, 1]].float().sum()) for c in source), rel=1e-3)
+    with pytest.raises(KVTransferTimeout):
+        NcclTransport(torch.device("cuda", 0), str(tmp_path)).load("nccl-missing", LAYOUT, timeout_s=0.2)
+    transport.close()
+
+
+def _pull_in_child(directory: str) -> float:
+    from shoal.kv_transfer.nccl_transport import NcclTransport
+
+    target = _caches(3, "cuda:1")
+    transport = NcclTransport(torch.device("cuda", 1), directory)
+    load_blocks(transport, "nccl-1", LAYOUT, target, first_block=0, block_ids=[2, 0], timeout_s=20.0)
+    return sum(float(c[:, [2, 0]].float().sum()) for c in target)
