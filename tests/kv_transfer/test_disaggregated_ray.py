@@ -242,3 +242,39 @@ def test_a_killed_engine_ends_each_request_with_a_retry_or_a_503_in_time(
     stats = _settled_stats(proxy, loop)
     assert stats["num_used_blocks"] == 0
     assert not _leftover_transfers(f"kill-{role}-") and not _leftover_transfers(f"after-{role}")
+
+
+def test_the_openai_server_on_the_proxy_streams_and_answers_503_when_no_engine_can_serve(
+    proxy: DisaggregatedLLM, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import httpx
+
+    from shoal.entrypoints.openai.api_server import build_app
+    from shoal.kv_transfer.params import KVTransferError
+
+    app = build_app(proxy)
+    model = proxy.config.model_config.served_model_name
+    body = {"model": model, "prompt": "Tell me a story about a ship.", "max_tokens": 5, "temperature": 0}
+
+    async def post(payload: dict) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=60) as client:
+            return await client.post("/v1/completions", json=payload)
+
+    plain = loop.run_until_complete(post(body))
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["usage"]["completion_tokens"] == 5
+    streamed = loop.run_until_complete(post({**body, "stream": True}))
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+    async def failing_attempt(request: Any, attempt: int) -> Any:
+        raise KVTransferError("kv transfer failed: injected")
+        yield  # an async generator, as the real one
+
+    monkeypatch.setattr(proxy.engine_core, "_attempt", failing_attempt)
+    refused = loop.run_until_complete(post(body))
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "engine_unavailable" and "attempt 3: kv transfer failed: injected" in error["message"]
+    monkeypatch.undo()
+    assert loop.run_until_complete(post(body)).status_code == 200  # the proxy serves on

@@ -165,5 +165,5 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
-    for exc_type in (APIError, EngineDeadError, ValueError, Exception):
+    for exc_type in (APIError, EngineDeadError, RequestUnavailableError, ValueError, Exception):
         app.add_exception_handler(exc_type, on_api_error)
