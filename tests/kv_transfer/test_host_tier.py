@@ -17,14 +17,22 @@ def _prompts(num: int, length: int) -> list[list[int]]:
     return [[(7 * i + 3 * j + 11) % 200 + 5 for j in range(length)] for i in range(num)]
 
 
-def test_prompts_that_evict_each_other_come_back_from_the_host(tiny_checkpoints: dict) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prompts_that_evict_each_other_come_back_from_the_host(tiny_checkpoints: dict, device: str) -> None:
     """Three 40-token prompts in a 16-block device cache: each evicts the one before. Repeated,
-    their prefixes are loaded from the host tier, not recomputed, and the outputs are those of an
-    engine without any cache."""
+    their prefixes are loaded from the host tier (on GPU: pinned, on a side stream), not
+    recomputed, and the outputs are those of an engine without any cache."""
     path = str(tiny_checkpoints["llama"])
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in _prompts(3, 40)]
-    llm = LLM(path, block_size=BLOCK_SIZE, num_gpu_blocks_override=16, max_model_len=64, kv_offload_bytes=1 << 20)
+    llm = LLM(
+        path,
+        device=device,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=16,
+        max_model_len=64,
+        kv_offload_bytes=1 << 20,
+    )
     first = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     before = llm.get_stats()
     assert before["kv_offload_blocks_offloaded"] >= 9 and before["kv_offload_host_hit_tokens"] == 0
@@ -35,7 +43,7 @@ def test_prompts_that_evict_each_other_come_back_from_the_host(tiny_checkpoints:
     assert after["kv_offload_blocks_loaded"] - before["kv_offload_blocks_loaded"] >= 2 * 9
     assert all(o.num_cached_tokens >= 36 for o in again[:2])
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-    fresh = LLM(path, block_size=BLOCK_SIZE, enable_prefix_caching=False, max_model_len=64)
+    fresh = LLM(path, device=device, block_size=BLOCK_SIZE, enable_prefix_caching=False, max_model_len=64)
     expected = fresh.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in expected]
     assert after["num_used_blocks"] == 0
