@@ -186,14 +186,14 @@ def add_serve_parser(subparsers: Any) -> None:
         default=None,
         metavar="prefill=N,decode=M",
         help="prefill/decode disaggregation on Ray: N prefill and M decode engines behind this server, "
-        "each request prefilled on one, its KV moved, decoded on another (docs/disaggregation.md)",
+        "each request prefilled on one, its KV moved, decoded on another (docs/disaggregation.md) (default: one engine)",
     )
     server.add_argument(
         "--kv-transfer-timeout",
         type=float,
         default=10.0,
         help="with --disaggregate: seconds a decode engine waits for a request's KV; an engine silent this "
-        "long x3 is taken for dead (the request is retried on others, then fails with 503)",
+        "long x3 is taken for dead (the request is retried on others, then fails with 503) (default: 10)",
     )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
