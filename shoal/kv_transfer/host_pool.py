@@ -42,11 +42,17 @@ class HostKVPool:
             " pinned" if pin else "",
         )
 
-    @staticmethod
-    def num_blocks_for(kv_offload_bytes: int, kv_caches: list[torch.Tensor]) -> int:
-        """How many host blocks `kv_offload_bytes` holds (a block: every layer's share)."""
-        block_bytes = sum(cache[:, 0].numel() * cache.element_size() for cache in kv_caches)
-        return kv_offload_bytes // block_bytes
+    @classmethod
+    def for_budget(cls, kv_caches: Callable[[], list[torch.Tensor]], kv_offload_bytes: int) -> HostKVPool | None:
+        """As many host blocks as `kv_offload_bytes` holds (a block: every layer's share); None
+        when not one fits."""
+        block_bytes = sum(cache[:, 0].numel() * cache.element_size() for cache in kv_caches())
+        num_blocks = kv_offload_bytes // block_bytes
+        return cls(kv_caches, num_blocks) if num_blocks > 0 else None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.host_caches[0].shape[0] if self.host_caches else 0
 
     def apply(self, copies: KVBlockCopies) -> None:
         """The step's offloads, then its loads, ordered before the step's forward."""

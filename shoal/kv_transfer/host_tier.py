@@ -162,12 +162,12 @@ class _PendingCopies:
 
 
 def start_host_tier(config: EngineConfig, executor: Executor, scheduler: Scheduler) -> HostKVTier | None:
-    """With `kv_offload_bytes`, allocate the host pool on every worker (the smallest count of
-    blocks is everyone's) and give the scheduler the tier as its KV connector."""
+    """With `kv_offload_bytes` (each worker allocated its host pool with its KV cache; the
+    smallest count of blocks is everyone's), give the scheduler the tier as its KV connector."""
     kv_offload_bytes = config.cache_config.kv_offload_bytes
     if not kv_offload_bytes:
         return None
-    num_host_blocks = min(executor.collective_rpc("init_kv_offload", (kv_offload_bytes,)))
+    num_host_blocks = min(executor.collective_rpc("num_host_kv_blocks"))
     if num_host_blocks < 1:
         raise ValueError(f"kv_offload_bytes={kv_offload_bytes} holds less than one KV block")
     tier = HostKVTier(num_host_blocks, config.cache_config.block_size, scheduler.kv_cache_manager.block_pool)

@@ -144,18 +144,18 @@ class Worker:
         CUDA graphs over it and meet the LM head's row counts."""
         with self.sleeper.allocating(KV_CACHE):
             self.runner.initialize_kv_cache(num_blocks)
+        kv_offload_bytes = self.config.cache_config.kv_offload_bytes
+        if kv_offload_bytes and self.host_kv_pool is None:  # (a restarted worker makes its own)
+            from shoal.kv_transfer.host_pool import HostKVPool
+
+            self.host_kv_pool = HostKVPool.for_budget(lambda: self.runner.kv_caches, kv_offload_bytes)
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_logits()
 
-    def init_kv_offload(self, kv_offload_bytes: int) -> int:
-        """Allocate the host-memory tier beside the KV cache; returns its number of blocks."""
-        from shoal.kv_transfer.host_pool import HostKVPool
-
-        num_host_blocks = HostKVPool.num_blocks_for(kv_offload_bytes, self.runner.kv_caches)
-        if num_host_blocks > 0:
-            self.host_kv_pool = HostKVPool(lambda: self.runner.kv_caches, num_host_blocks)
-        return num_host_blocks
+    def num_host_kv_blocks(self) -> int:
+        """The host-memory tier's blocks on this worker (0: none)."""
+        return self.host_kv_pool.num_blocks if self.host_kv_pool is not None else 0
 
     def save_kv(self, transfer_id: str, block_ids: list[int]) -> float:
         """Publish a prefilled request's KV blocks for a decode engine; returns the seconds."""
