@@ -18,7 +18,8 @@ import pytest
 
 from shoal import LLM, SamplingParams, envs
 from shoal.config import EngineArgs
-from shoal.entrypoints.disaggregated.proxy import DisaggregatedLLM, DisaggregationOptions
+from shoal.entrypoints.disaggregated.engine_pool import DisaggregationOptions
+from shoal.entrypoints.disaggregated.proxy import DisaggregatedLLM
 from shoal.errors import RequestUnavailableError
 from shoal.sampling_params import StructuredOutputsParams
 

@@ -132,3 +132,13 @@ def _pull_in_child(directory: str) -> float:
     transport = NcclTransport(torch.device("cuda", 1), directory)
     load_blocks(transport, "nccl-1", LAYOUT, target, first_block=0, block_ids=[2, 0], timeout_s=20.0)
     return sum(float(c[:, [2, 0]].float().sum()) for c in target)
+
+
+def test_disaggregate_flag_parses_counts() -> None:
+    from shoal.entrypoints.disaggregated.engine_pool import DisaggregationOptions
+
+    options = DisaggregationOptions.parse("prefill=2,decode=3", transfer_timeout_s=5.0)
+    assert (options.num_prefill, options.num_decode, options.transfer_timeout_s) == (2, 3, 5.0)
+    for bad in ("prefill=1", "prefill=0,decode=1", "encode=1,decode=1", "prefill=x,decode=1"):
+        with pytest.raises(ValueError, match="--disaggregate"):
+            DisaggregationOptions.parse(bad)

@@ -20,7 +20,7 @@ from shoal.config import EngineConfig
 from shoal.protocol import EngineCoreOutput, EngineCoreRequest
 
 if TYPE_CHECKING:
-    from shoal.entrypoints.disaggregated.proxy import DisaggregationOptions
+    from shoal.entrypoints.disaggregated.engine_pool import DisaggregationOptions
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from shoal.entrypoints.disaggregated.proxy import DisaggregatedLLM, DisaggregationOptions
+from shoal.entrypoints.disaggregated.engine_pool import DisaggregationOptions
+from shoal.entrypoints.disaggregated.proxy import DisaggregatedLLM
 
 if TYPE_CHECKING:
     from shoal.config import EngineArgs
