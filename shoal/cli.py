@@ -31,6 +31,7 @@ _CHOICES: dict[str, Sequence[str]] = {
     "device": ("auto", "cpu", "cuda"),
     "placement_strategy": PLACEMENT_STRATEGIES,
     "logprobs_mode": LOGPROBS_MODES,
+    "kv_transfer_role": ("prefill", "decode", "both"),
 }
 _HELP = {
     "model": "a local Hugging Face folder (config.json, safetensors, tokenizer) (default: the demo model)",
@@ -46,6 +47,10 @@ _HELP = {
     "gpu_memory_utilization": "the fraction of GPU memory shoal may use",
     "kv_cache_memory_bytes": "the KV cache's size; accepts 4GiB, 512MiB, ... "
     "(default: 1 GiB on CPU; on GPU what --gpu-memory-utilization leaves after the weights and activations)",
+    "kv_offload_bytes": "keep blocks evicted from the prefix cache in this much host memory (pinned on GPU) and "
+    "load them back on a hit instead of recomputing; accepts 4GiB, 512MiB, ... (default: 0, none)",
+    "kv_transfer_role": "prefill/decode disaggregation: this engine saves (prefill) or loads (decode) the KV of "
+    "requests that carry kv_transfer_params (default: neither; `--disaggregate` sets it)",
     "num_gpu_blocks_override": "force the number of KV-cache blocks (default: as many as the KV cache's size holds)",
     "load_format": "auto: the checkpoint's weights; dummy: random weights of the real shapes",
     "seed": "the engine's random seed",
@@ -216,6 +221,20 @@ def add_serve_parser(subparsers: Any) -> None:
         default="X-Session-Id",
         help="the request header naming a conversation, whose requests the router keeps on one replica",
     )
+    server.add_argument(
+        "--disaggregate",
+        default=None,
+        metavar="prefill=N,decode=M",
+        help="prefill/decode disaggregation on Ray: N prefill and M decode engines behind this server, "
+        "each request prefilled on one, its KV moved, decoded on another (docs/disaggregation.md) (default: one engine)",
+    )
+    server.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=10.0,
+        help="with --disaggregate: seconds a decode engine waits for a request's KV; an engine silent this "
+        "long x3 is taken for dead (the request is retried on others, then fails with 503) (default: 10)",
+    )
     chat = parser.add_argument_group("chat outputs (tool calls, reasoning)")
     chat.add_argument(
         "--tool-call-parser",
@@ -264,6 +283,10 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             from shoal.entrypoints.serve_ray import run_replicated
 
             run_replicated(engine_args, server_args, args.num_replicas)
+        elif args.disaggregate is not None:
+            from shoal.entrypoints.disaggregated.serve import run_disaggregated
+
+            run_disaggregated(engine_args, server_args, args.disaggregate, args.kv_transfer_timeout)
         else:
             run_server(engine_args, server_args)
     except KeyboardInterrupt:

@@ -71,6 +71,11 @@ class CacheConfig:
     # Forces the number of KV blocks (tests use it to force preemption).
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
+    # The host-memory tier under the prefix cache, in bytes (0: none; shoal/kv_transfer/host_tier.py).
+    kv_offload_bytes: int = 0
+    # Prefill/decode disaggregation: this engine saves ("prefill"), loads ("decode") or both the KV
+    # of requests that carry transfer params (shoal/kv_transfer/pd_connector.py); None: neither.
+    kv_transfer_role: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    # Blocks evicted from the prefix cache are kept in this much host memory (0: not kept).
+    kv_offload_bytes: int = 0
+    # Prefill/decode disaggregation: "prefill", "decode" or "both" (None: the engine moves no KV).
+    kv_transfer_role: str | None = None
     load_format: str = "auto"
     seed: int = 0
     device: str = "auto"
@@ -229,6 +238,15 @@ class EngineArgs:
         _require(max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be a power of 2 <= 128")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        _require(self.kv_offload_bytes >= 0, "kv_offload_bytes must be at least 0")
+        _require(
+            self.kv_transfer_role in (None, "prefill", "decode", "both"),
+            f"kv_transfer_role must be prefill, decode or both, got {self.kv_transfer_role!r}",
+        )
+        _require(
+            not self.kv_offload_bytes or self.enable_prefix_caching,
+            "kv_offload_bytes needs prefix caching: the host tier keeps the prefix cache's evicted blocks",
+        )
         parallel_config = self._parallel_config(model_config)
         speculative_config = self._speculative_config(model_config, parallel_config)
         return EngineConfig(
@@ -240,6 +258,8 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_offload_bytes=self.kv_offload_bytes,
+                kv_transfer_role=self.kv_transfer_role,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -61,3 +61,13 @@ FORWARDED_PREFIXES: tuple[str, ...] = ("SHOAL_", "NCCL_", "GLOO_", "HF_", "TORCH
 def forwarded_environment() -> dict[str, str]:
     """The subset of this process's environment that workers on any node must see."""
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+
+
+# Where a CPU prefill engine leaves the KV of a request for a decode engine on the same node
+# (shoal/kv_transfer/shm_transport.py): shared memory where the system has it.
+SHOAL_KV_TRANSFER_DIR: str = _str(
+    "SHOAL_KV_TRANSFER_DIR", "/dev/shm/shoal-kv" if os.path.isdir("/dev/shm") else "/tmp/shoal-kv"
+)
+# The KV transport of prefill/decode disaggregation: shm, cuda_ipc or nccl (empty: CUDA IPC on
+# GPU, shared memory on CPU; shoal/kv_transfer/transport.py).
+SHOAL_KV_TRANSPORT: str = _str("SHOAL_KV_TRANSPORT", "")

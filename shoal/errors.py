@@ -26,3 +26,9 @@ class GenerationHeldError(RuntimeError):
     asleep, paused, or with its weights discarded by `sleep(level=2)`. Nothing in the calling
     thread could end the hold, so the call fails instead of waiting forever (`AsyncLLM` and the
     server let such requests wait)."""
+
+
+class RequestUnavailableError(RuntimeError):
+    """One request could not be served, though the server lives on: with prefill/decode
+    disaggregation, no engine could take it within the proxy's bounds (dead engines, failed KV
+    transfers). HTTP 503; the client may retry."""

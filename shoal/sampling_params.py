@@ -6,6 +6,8 @@ Every value is checked in `__post_init__`; a bad one raises `ValueError` naming 
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shoal.structured_output.params import StructuredOutputsParams
@@ -60,6 +62,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # (`CompletionOutput.routed_experts`; SGLang's `return_routed_experts`). Such a request
     # computes its whole prompt (no prefix-cache hit), as a request for prompt logprobs does.
     return_routed_experts: bool = False
+    # What extensions read (vLLM's name): "kv_transfer_params", set by the prefill/decode proxy
+    # (shoal/kv_transfer/params.py), is the only key shoal reads.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +77,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        if self.extra_args:
+            from shoal.kv_transfer.params import transfer_params
+
+            transfer_params(self.extra_args)  # a malformed one is refused here, not in the engine
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")

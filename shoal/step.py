@@ -52,6 +52,19 @@ class GrammarBitmask(msgspec.Struct, array_like=True, frozen=True):
     num_words: int
 
 
+class KVBlockCopies(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Copies between the device KV cache and the host-memory tier that a step makes before its
+    forward (shoal/kv_transfer/host_tier.py): first the offloads, device block
+    `offload_block_ids[i]` → host block `offload_host_ids[i]` (cached blocks evicted to make
+    room), then the loads, host block `load_host_ids[i]` → device block `load_block_ids[i]`
+    (prefix hits on the host). In that order: a block evicted this step may be a load's target."""
+
+    offload_block_ids: list[int] = msgspec.field(default_factory=list)
+    offload_host_ids: list[int] = msgspec.field(default_factory=list)
+    load_host_ids: list[int] = msgspec.field(default_factory=list)
+    load_block_ids: list[int] = msgspec.field(default_factory=list)
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     """One step: which requests run, and how many of their tokens (`num_scheduled_tokens`,
     in batch order: new requests after cached ones, as `scheduled_req_ids` lists them)."""
@@ -75,6 +88,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, froze
     # Speculative decoding: per request, the draft tokens this step verifies after its last
     # known token; the request's `num_scheduled_tokens` count them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # The host-memory tier's copies this step makes before its forward (None: none).
+    kv_block_copies: KVBlockCopies | None = None
 
     @property
     def scheduled_req_ids(self) -> list[str]:

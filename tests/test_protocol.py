@@ -27,6 +27,7 @@ from shoal.sampling_params import SamplingParams, StructuredOutputsParams
 from shoal.step import (
     CachedRequestData,
     GrammarBitmask,
+    KVBlockCopies,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
@@ -170,6 +171,16 @@ EXAMPLES: list[msgspec.Struct] = [
     UtilityOutput(call_id=4, error="ValueError: no such method"),
     EngineReady(num_kv_blocks=1456),
     EngineDead(message="worker 1 died"),
+    SchedulerOutput(
+        new_reqs=[],
+        cached_reqs=[CACHED_REQUEST],
+        num_scheduled_tokens={"req-2": 1},
+        total_num_scheduled_tokens=1,
+        kv_block_copies=KVBlockCopies(
+            offload_block_ids=[4, 9], offload_host_ids=[0, 1], load_host_ids=[1], load_block_ids=[4]
+        ),
+    ),
+    KVBlockCopies(load_host_ids=[3], load_block_ids=[7]),
 ]
 
 

@@ -9,7 +9,7 @@ hash.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from shoal.kv_events.events import AllBlocksCleared, BlockRemoved, KVEvent
 
@@ -39,6 +39,10 @@ class BlockPool:
         # KV-cache events since the engine last took them (a list only while they are
         # published: see shoal/kv_events/); None costs one test per eviction.
         self.kv_events: list[KVEvent] | None = None
+        # Told of each cached block as it is evicted (its hash still set) and of a reset of the
+        # whole cache: the host-memory tier (shoal/kv_transfer/host_tier.py) listens.
+        self.evict_listeners: list[Callable[[KVCacheBlock], None]] = []
+        self.reset_listeners: list[Callable[[], None]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,9 +105,13 @@ class BlockPool:
         self._cached.clear()
         if self.kv_events is not None:
             self.kv_events.append(AllBlocksCleared())
+        for listener in self.reset_listeners:
+            listener()
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            for listener in self.evict_listeners:
+                listener(block)
             del self._cached[block.block_hash]
             if self.kv_events is not None:
                 self.kv_events.append(BlockRemoved(block_hashes=[block.block_hash]))

@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shoal.config import EngineConfig
 from shoal.engine_core.generation_control import GenerationControl
 from shoal.engine_core.lora_control import LoRAControl
@@ -29,6 +31,8 @@ from shoal.engine_core.worker_restarts import RestartBudget
 from shoal.errors import EngineDeadError, WorkerDiedError
 from shoal.executors.abstract import Executor, StepFuture
 from shoal.kv_events.publisher import make_event_publisher
+from shoal.kv_transfer.host_tier import host_tier_stats, start_host_tier
+from shoal.kv_transfer.pd_connector import start_kv_transfer
 from shoal.protocol import EngineCoreOutputs, EngineCoreRequest
 from shoal.step import SchedulerOutput
 
@@ -76,6 +80,10 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
             samples_later=self.executor.samples_later and config.speculative_config is None,
             speculative_config=config.speculative_config,
         )
+        # The host-memory tier under the prefix cache (--kv-offload-bytes), the scheduler's connector.
+        self.host_tier = start_host_tier(config, self.executor, self.scheduler)
+        # Prefill/decode disaggregation (kv_transfer_role): saves after prefills, loads before decodes.
+        self.kv_transfer = start_kv_transfer(config, self.executor, self.scheduler, inner=self.host_tier)
         # A launched step whose bitmask follows it and is still owed to the workers (async
         # scheduling: it is filled once the step before it has landed).
         self._grammar_owed: SchedulerOutput | None = None
@@ -144,7 +152,7 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
         start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._idle_outputs()
         execute_start = time.perf_counter()
@@ -156,7 +164,7 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         except WorkerDiedError as exc:
             return self.recover_from_worker_death(exc)
         execute_s = time.perf_counter() - execute_start
-        outputs = attach_routed_experts(self.scheduler.update_from_output(scheduler_output, model_output), model_output)
+        outputs = attach_routed_experts(self._apply_output(scheduler_output, model_output), model_output)
         self.step_times.record(time.perf_counter() - start, execute_s)
         return outputs
 
@@ -168,7 +176,7 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         assert self.batch_queue is not None
         start = time.perf_counter()
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_schedulable_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             if scheduler_output.total_num_scheduled_tokens > 0:
                 launch_start = time.perf_counter()
                 future = self.executor.execute_model(scheduler_output, non_block=True)
@@ -186,12 +194,34 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         except WorkerDiedError as exc:
             return self.recover_from_worker_death(exc)
         wait_s = time.perf_counter() - wait_start
-        outputs = attach_routed_experts(self.scheduler.update_from_output(scheduler_output, model_output), model_output)
+        outputs = attach_routed_experts(self._apply_output(scheduler_output, model_output), model_output)
         self._send_owed_grammar()
         # The engine's own time for this step is scheduling it and applying its output; the
         # launch and the wait are the workers'.
         own_s = schedule_s + (time.perf_counter() - start - wait_s)
         self.step_times.record(own_s + launch_s + wait_s, launch_s + wait_s)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the host tier's block copies it must make first;
+        transferred KV it reads is loaded before it runs."""
+        scheduler_output = self.scheduler.schedule()
+        copies = self.host_tier.take_block_copies() if self.host_tier is not None else None
+        if copies is not None:
+            scheduler_output = msgspec.structs.replace(scheduler_output, kv_block_copies=copies)
+        if self.kv_transfer is not None:
+            self.kv_transfer.run_loads()
+        return scheduler_output
+
+    def _apply_output(self, scheduler_output: SchedulerOutput, model_output: Any) -> EngineCoreOutputs:
+        """Apply a step's output; prefills to hand to a decode engine are saved before their
+        freed blocks can be reused."""
+        if self.kv_transfer is None:
+            return self.scheduler.update_from_output(scheduler_output, model_output)
+        to_save = self.kv_transfer.blocks_to_save(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if to_save:
+            self.kv_transfer.save_finished(to_save, outputs)
         return outputs
 
     # ---- a worker's death --------------------------------------------------------------------
@@ -317,6 +347,8 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
             "execute_model_s": self.step_times.execute_s,
             "num_worker_restarts": self.restart_budget.num_restarts,
             **self.scheduler.spec_decoding_stats(),
+            **(host_tier_stats(self.host_tier) if self.host_tier is not None else {}),
+            **(self.kv_transfer.stats_dict() if self.kv_transfer is not None else {}),
         }
 
     def check_health(self) -> None:

@@ -38,8 +38,14 @@ StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs, *, multiprocess: bool = True, log_stats: bool = True) -> None:
-        self.engine_core: AsyncMPClient | AsyncInprocClient = AsyncMPClient() if multiprocess else AsyncInprocClient()
+    def __init__(
+        self, engine_args: EngineArgs, *, multiprocess: bool = True, log_stats: bool = True, engine_core: Any = None
+    ) -> None:
+        """`engine_core`: another client with `AsyncInprocClient`'s interface (the prefill/decode
+        proxy's, shoal/entrypoints/disaggregated/proxy.py)."""
+        self.engine_core: AsyncMPClient | AsyncInprocClient = engine_core or (
+            AsyncMPClient() if multiprocess else AsyncInprocClient()
+        )
         self.config: EngineConfig
         self.config, self.tokenizer, self.input_processor, self.output_processor = start_engine(
             self.engine_core, engine_args

@@ -7,10 +7,10 @@ how many more of the request's tokens can be loaded rather than computed (`token
 It allocates their slots with the rest, counts them as computed, and tells the connector which
 blocks they go to (`load_into`), so that their KV is in place before the step that reads it.
 
-This is the seam only: no connector exists yet, and `Scheduler(kv_connector=None)` (the
-default) asks nothing. The transports, the workers' side that moves the blocks, and requests
-that wait while their KV is on its way come with the first connector. Plain Python: the engine
-core imports this module.
+`Scheduler(kv_connector=None)` (the default) asks nothing. The connectors: `HostKVTier`
+(host_tier.py, `--kv-offload-bytes`) and `PDConnector` (pd_connector.py, `kv_transfer_role`:
+prefill/decode disaggregation, in front of the host tier when both are on); the engine core
+installs them. Plain Python: the engine core imports this module.
 """
 
 from __future__ import annotations

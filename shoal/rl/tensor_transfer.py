@@ -52,16 +52,28 @@ def cpu_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, A
 @contextmanager
 def cuda_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Iterator[dict[str, Any]]:
     """The bucket as a CUDA IPC handle, valid inside the block (the buffer is freed after)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     device = named_tensors[0][1].device
     buffer = pack([t for _, t in named_tensors], device)
     torch.cuda.synchronize(device)  # packed before another process reads it
+    ipc = cuda_ipc_handle(buffer)
+    key = next(_KEYS)
+    _LOCAL_BUFFERS[key] = buffer
+    try:
+        yield {"metas": encode_metas(named_tensors), "cuda_ipc": ipc, "pid": os.getpid(), "key": key}
+    finally:
+        del _LOCAL_BUFFERS[key]
+
+
+def cuda_ipc_handle(buffer: torch.Tensor) -> dict[str, Any]:
+    """A msgpack-able CUDA IPC handle to a device buffer (uint8), for `open_cuda_ipc_handle` in
+    another process (the KV transfers share it: shoal/kv_transfer/cuda_ipc.py)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
     _, args = reduce_tensor(buffer)
     # (tensor class, size, stride, offset, storage class, dtype, device index, handle, storage
     # bytes, storage offset, requires_grad, ref-counter handle and offset, event handle, sync)
-    ipc = {
-        "device_uuid": str(torch.cuda.get_device_properties(device).uuid),
+    return {
+        "device_uuid": str(torch.cuda.get_device_properties(buffer.device).uuid),
         "size": list(args[1]),
         "offset": args[3],
         "handle": args[7],
@@ -72,12 +84,6 @@ def cuda_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> Iterator[d
         "event_handle": args[13],
         "event_sync_required": args[14],
     }
-    key = next(_KEYS)
-    _LOCAL_BUFFERS[key] = buffer
-    try:
-        yield {"metas": encode_metas(named_tensors), "cuda_ipc": ipc, "pid": os.getpid(), "key": key}
-    finally:
-        del _LOCAL_BUFFERS[key]
 
 
 def bucket_metas(bucket: dict[str, Any]) -> list[TensorMeta]:
@@ -92,11 +98,11 @@ def open_bucket(bucket: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     elif bucket.get("pid") == os.getpid():
         buffer = _LOCAL_BUFFERS[bucket["key"]]
     else:
-        buffer = _open_cuda_ipc(bucket["cuda_ipc"])
+        buffer = open_cuda_ipc_handle(bucket["cuda_ipc"])
     return unpack(buffer, metas)
 
 
-def _open_cuda_ipc(ipc: dict[str, Any]) -> torch.Tensor:
+def open_cuda_ipc_handle(ipc: dict[str, Any]) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     index = _device_index(ipc["device_uuid"])

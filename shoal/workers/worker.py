@@ -14,7 +14,7 @@ import gc
 import logging
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,10 @@ from shoal.workers.model_runner import ModelRunner
 from shoal.workers.profiler import StepProfiler
 from shoal.workers.sleep import KV_CACHE, WEIGHTS, WorkerSleep
 from shoal.workers.weight_updates import WeightUpdates
+
+if TYPE_CHECKING:
+    from shoal.kv_transfer.host_pool import HostKVPool
+    from shoal.kv_transfer.worker_side import KVTransferWorker
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,11 @@ class Worker:
         self.device_used_at_start_bytes = 0
         self.weight_updates = WeightUpdates(self)
         self.lora_calls = LoRACalls(self)
+        # The host-memory tier's blocks (shoal/kv_transfer/host_pool.py), when the engine has one.
+        self.host_kv_pool: HostKVPool | None = None
+        # Prefill/decode disaggregation's KV transfers (shoal/kv_transfer/worker_side.py), made
+        # at the first one.
+        self.kv_transfer: KVTransferWorker | None = None
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -137,15 +146,42 @@ class Worker:
         CUDA graphs over it and meet the LM head's row counts."""
         with self.sleeper.allocating(KV_CACHE):
             self.runner.initialize_kv_cache(num_blocks)
+        kv_offload_bytes = self.config.cache_config.kv_offload_bytes
+        if kv_offload_bytes and self.host_kv_pool is None:  # (a restarted worker makes its own)
+            from shoal.kv_transfer.host_pool import HostKVPool
+
+            self.host_kv_pool = HostKVPool.for_budget(lambda: self.runner.kv_caches, kv_offload_bytes)
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.warm_up_logits()
+
+    def num_host_kv_blocks(self) -> int:
+        """The host-memory tier's blocks on this worker (0: none)."""
+        return self.host_kv_pool.num_blocks if self.host_kv_pool is not None else 0
+
+    def save_kv(self, transfer_id: str, block_ids: list[int]) -> float:
+        """Publish a prefilled request's KV blocks for a decode engine; returns the seconds."""
+        return self._kv_transfer().save(transfer_id, block_ids)
+
+    def load_kv(self, transfer_id: str, first_block: int, block_ids: list[int], timeout_s: float) -> float:
+        """Copy a transfer's blocks into this worker's `block_ids` (`KVTransferError` if it fails)."""
+        return self._kv_transfer().load(transfer_id, first_block, block_ids, timeout_s)
+
+    def _kv_transfer(self) -> KVTransferWorker:
+        from shoal.kv_transfer.worker_side import KVTransferWorker
+
+        if self.kv_transfer is None or self.kv_transfer.runner is not self.runner:
+            self.kv_transfer = KVTransferWorker(self.runner, self.rank)
+        return self.kv_transfer
 
     # ---- steps and calls -------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> Any:
         """The step's output (None on ranks that do not sample); with `non_block`, a handle
-        whose `result()` waits for it (see `ModelRunner.execute_model`)."""
+        whose `result()` waits for it (see `ModelRunner.execute_model`). The host tier's copies
+        go first: the forward may read the blocks they load and overwrite those they offload."""
+        if scheduler_output.kv_block_copies is not None and self.host_kv_pool is not None:
+            self.host_kv_pool.apply(scheduler_output.kv_block_copies)
         return self.runner.execute_model(scheduler_output, non_block)
 
     def sample_tokens(self, grammar: GrammarBitmask | None) -> None:
@@ -207,6 +243,10 @@ class Worker:
         return "cpu" if self.placement is None else f"cpu:{self.placement}"
 
     def shutdown(self) -> None:
+        if self.host_kv_pool is not None:
+            self.host_kv_pool.close()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.weight_updates.destroy_group()
         self.model_runner = None
         self.sleep_state = None  # with it the sleep-memory pools, once their tensors are gone

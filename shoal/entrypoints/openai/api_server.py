@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -376,12 +376,15 @@ def _require_tokenizer(serving: OpenAIServingCompletion) -> None:
 # ---- running it ----------------------------------------------------------------------------------
 
 
-async def serve(engine_args: EngineArgs, args: ServerArgs) -> None:
-    """Start the engine, then serve until SIGINT/SIGTERM; the engine core process ends with us."""
+async def serve(
+    engine_args: EngineArgs, args: ServerArgs, make_engine: Callable[[EngineArgs], AsyncLLM] | None = None
+) -> None:
+    """Start the engine (`make_engine`'s, else an `AsyncLLM` with its own engine-core process),
+    then serve until SIGINT/SIGTERM; the engine core process ends with us."""
     from shoal.frontend.async_llm import AsyncLLM
 
     _check_port_free(args.host, args.port)  # fail before the model loads, not after
-    engine = AsyncLLM.from_engine_args(engine_args)
+    engine = make_engine(engine_args) if make_engine is not None else AsyncLLM.from_engine_args(engine_args)
     try:
         # Bound after the engine core started, so that its process never holds our socket.
         sock = _bind(args.host, args.port)
@@ -469,11 +472,13 @@ def _check_port_free(host: str, port: int) -> None:
         _bind(host, port).close()
 
 
-def run_server(engine_args: EngineArgs, args: ServerArgs) -> None:
+def run_server(
+    engine_args: EngineArgs, args: ServerArgs, make_engine: Callable[[EngineArgs], AsyncLLM] | None = None
+) -> None:
     """Run `serve` on uvloop (where installed)."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(engine_args, args))
+        asyncio.run(serve(engine_args, args, make_engine))
         return
-    uvloop.run(serve(engine_args, args))
+    uvloop.run(serve(engine_args, args, make_engine))

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from shoal.errors import EngineDeadError
+from shoal.errors import EngineDeadError, RequestUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_dead()
+    if isinstance(exc, RequestUnavailableError):
+        return APIError(503, str(exc), "server_error", code="engine_unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, ValueError):
         return from_value_error(exc)
     logger.exception("Unexpected error while serving a request", exc_info=exc)
@@ -163,5 +165,5 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
-    for exc_type in (APIError, EngineDeadError, ValueError, Exception):
+    for exc_type in (APIError, EngineDeadError, RequestUnavailableError, ValueError, Exception):
         app.add_exception_handler(exc_type, on_api_error)

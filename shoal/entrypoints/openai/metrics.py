@@ -67,6 +67,15 @@ class ServerMetrics:
             "Draft tokens accepted, by position in the drafts.",
             ("position",),
         )
+        # The host-memory tier (--kv-offload-bytes): zero without one.
+        self.kv_offload_counters = {
+            key: counter(key, doc).labels(model_name)
+            for key, doc in (
+                ("kv_offload_host_hit_tokens", "Prompt tokens loaded from the host KV tier instead of recomputed."),
+                ("kv_offload_blocks_loaded", "KV blocks copied from the host tier back to the device."),
+                ("kv_offload_blocks_offloaded", "KV blocks evicted from the device prefix cache to the host tier."),
+            )
+        }
         self.num_requests_running = gauge("num_requests_running", "Requests being computed.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
@@ -205,6 +214,8 @@ class ServerMetrics:
         self._advance(self.num_preemptions.labels(self.model_name), "num_preemptions", stats)
         if "spec_decode_num_drafts" in stats:
             self._advance_spec_decode(stats)
+        for key, kv_offload_counter in self.kv_offload_counters.items():
+            self._advance(kv_offload_counter, key, stats)
 
     def _advance_spec_decode(self, stats: dict[str, Any]) -> None:
         for key, counter in self.spec_decode_counters.items():

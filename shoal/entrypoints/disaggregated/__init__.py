@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation on Ray: engine actors and the proxy (docs/disaggregation.md)."""
