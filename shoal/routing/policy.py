@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from shoal.routing.prefix_index import PrefixIndex
 
 POLICIES = ("cache_aware", "round_robin", "session")
+# A load imbalance that overrides the cache (see the module docstring): more requests than
+# this between the busiest and the idlest replica, and more than this ratio between them.
+BALANCE_ABS_THRESHOLD = 4
+BALANCE_REL_THRESHOLD = 1.5
 # Sessions remembered; the least recently used is forgotten beyond this.
 MAX_SESSIONS = 100_000
 
@@ -45,13 +49,19 @@ class RoutingRequest:
 
 
 class RoutingPolicy:
-    def __init__(self, name: str, index: PrefixIndex | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        index: PrefixIndex | None = None,
+        balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
+    ) -> None:
         if name not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {name!r}")
         self.name = name
         self.index = index or PrefixIndex()
-        self.balance_abs_threshold = 4
-        self.balance_rel_threshold = 1.5
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
         self._turn = itertools.count()
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
