@@ -14,6 +14,7 @@ from shoal.config import EngineArgs
 from shoal.entrypoints.openai.api_server import ServerArgs, build_app
 from shoal.entrypoints.openai.lora_routes import parse_lora_module
 from shoal.frontend.async_llm import AsyncLLM
+from shoal.lora.request import LoRARequest
 from tests.lora.adapters import make_adapter, peft_greedy
 
 PROMPT = [5, 17, 42, 99, 7]
@@ -55,6 +56,8 @@ def test_adapters_over_http(tiny_checkpoints: dict, server_adapters: dict, tmp_p
         assert models[1]["parent"] == str(base) and models[1]["root"] == str(server_adapters["first"])
         assert _token_ids(client, "first", PROMPT, 6) == peft_greedy(base, server_adapters["first"], PROMPT, 6)
         assert _complete(client, "second").status_code == 404
+        chat = {"model": "first", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
 
         # Other requests run (the base model and "first") while "second" is loaded, used, unloaded.
         with ThreadPoolExecutor(4) as pool:
@@ -82,3 +85,13 @@ def test_adapters_over_http(tiny_checkpoints: dict, server_adapters: dict, tmp_p
 
         metrics = client.get("/metrics").text
         assert 'shoal:lora_requests_info{max_lora="1"' in metrics
+
+
+def test_lora_modules_flag_forms() -> None:
+    named = parse_lora_module("sql=/adapters/sql")
+    assert isinstance(named, LoRARequest) and (named.lora_name, named.lora_path) == ("sql", "/adapters/sql")
+    spec = parse_lora_module('{"name": "chat", "path": "/adapters/chat", "base_model_name": "base"}')
+    assert (spec.lora_name, spec.lora_path, spec.base_model_name) == ("chat", "/adapters/chat", "base")
+    for bad in ("no-equals", "=path", '{"name": "x"}'):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_module(bad)
