@@ -98,6 +98,10 @@ class OpenAIServing:
         if name is not None and name != self.model_name and name not in self.engine.lora_adapters.loaded:
             raise model_not_found(name)
 
+    def response_model(self, name: str | None) -> str:
+        """The `model` a response names: the request's LoRA adapter, else the served model."""
+        return name if name is not None and name in self.engine.lora_adapters.loaded else self.model_name
+
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 

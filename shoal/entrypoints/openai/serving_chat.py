@@ -264,7 +264,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs = prompt_logprobs_of(final.prompt_token_ids, final.prompt_logprobs, num_top)
         return ChatCompletionResponse(
             id=chat.request_id,
-            model=self.model_name,
+            model=self.response_model(request.model),
             choices=choices,
             usage=usage(len(final.prompt_token_ids), num_completion_tokens),
             prompt_logprobs=prompt_logprobs,
@@ -288,7 +288,7 @@ class OpenAIServingChat(OpenAIServing):
             response = ChatCompletionStreamResponse(
                 id=request_id,
                 created=created,
-                model=self.model_name,
+                model=self.response_model(request.model),
                 choices=choices,
                 usage=chunk_usage,
                 prompt_token_ids=prompt_token_ids,
@@ -310,7 +310,7 @@ class OpenAIServingChat(OpenAIServing):
             final = ChatCompletionStreamResponse(
                 id=request_id,
                 created=created,
-                model=self.model_name,
+                model=self.response_model(request.model),
                 choices=[],
                 usage=usage(num_prompt_tokens, num_completion_tokens),
             )

@@ -167,7 +167,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage(num_prompt_tokens, num_completion_tokens)
+            id=request_id,
+            model=self.response_model(request.model),
+            choices=choices,
+            usage=usage(num_prompt_tokens, num_completion_tokens),
         )
 
     def _choice_body(
@@ -271,14 +274,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 if options is not None and options.chunk_usage:
                     chunk_usage = usage(num_prompt_tokens, num_completion_tokens)
                 chunk = CompletionResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[choice], usage=chunk_usage
+                    id=request_id,
+                    created=created,
+                    model=self.response_model(request.model),
+                    choices=[choice],
+                    usage=chunk_usage,
                 )
                 yield sse_event(chunk)
         if options is not None and options.final_usage:
             final = CompletionResponse(
                 id=request_id,
                 created=created,
-                model=self.model_name,
+                model=self.response_model(request.model),
                 choices=[],
                 usage=usage(num_prompt_tokens, num_completion_tokens),
             )
