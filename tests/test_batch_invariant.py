@@ -118,7 +118,9 @@ def test_unsupported_configurations_are_refused(tiny_checkpoints: dict[str, Path
     assert EngineArgs(path, batch_invariant=True).create_engine_config().model_config.batch_invariant
 
 
-@pytest.mark.parametrize("command", [["serve"], ["batch", "-i", "in.jsonl", "-o", "out.jsonl"], ["bench", "throughput"]])
+@pytest.mark.parametrize(
+    "command", [["serve"], ["batch", "-i", "in.jsonl", "-o", "out.jsonl"], ["bench", "throughput"]]
+)
 def test_the_flag_reaches_the_engine_arguments(command: list[str]) -> None:
     from shoal.cli import engine_args_from, make_parser
 
