@@ -76,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     kernel = registered_kernel("bi_matmul", x)
     if kernel is None:
         return linear_ref(x, weight, bias)
-    rows = _as_rows(x)
+    rows = _as_rows(x).contiguous()
     out = rows.new_empty(rows.shape[0], weight.shape[0])
     kernel(out, rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
