@@ -381,7 +381,7 @@ class EngineArgs:
             vocab_size=int(hf_config.vocab_size),
             seed=self.seed,
             load_format=self.load_format,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager or self._eager_for_batch_invariance(hf_config, device),
             enable_sleep_mode=self.enable_sleep_mode,
             quantization=quantization,
             logprobs_mode=self.logprobs_mode,
@@ -396,6 +396,17 @@ class EngineArgs:
             _require(not self.enable_lora, "batch_invariant cannot be combined with enable_lora yet")
             _require(self.speculative_config is None, "batch_invariant cannot be combined with speculative_config yet")
         return bool(self.batch_invariant)
+
+    def _eager_for_batch_invariance(self, hf_config: Any, device: Device) -> bool:
+        """Batch-invariant experts read each expert's tokens back to the host (their GEMMs' row
+        counts), which a CUDA graph cannot replay: a mixture of experts then runs eagerly."""
+        has_experts = any(
+            getattr(hf_config, key, None) for key in ("n_routed_experts", "num_local_experts", "num_experts")
+        )
+        if self.batch_invariant and device == "cuda" and has_experts and not self.enforce_eager:
+            logger.info("batch_invariant: a mixture-of-experts model runs without CUDA graphs")
+            return True
+        return False
 
     def _parallel_config(self, model_config: ModelConfig) -> ParallelConfig:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size

@@ -18,11 +18,11 @@ MAX_BATCH = 64
 SHARED_PREFIX_TOKENS = 14  # more than three 4-token blocks: cache hits of whole blocks
 
 
-def _engine(path: Path, batch_invariant: bool) -> LLM:
+def _engine(path: Path, batch_invariant: bool, **kwargs: object) -> LLM:
     # 40 tokens a step: the 64-request mixes' prompts run in chunks beside decodes.
     return LLM(
         str(path), multiprocess=False, batch_invariant=batch_invariant, max_num_batched_tokens=40,
-        max_num_seqs=MAX_BATCH, block_size=4, enable_prefix_caching=True,
+        max_num_seqs=MAX_BATCH, block_size=4, enable_prefix_caching=True, **kwargs,
     )  # fmt: skip
 
 
@@ -111,6 +111,17 @@ def test_a_mixture_of_experts_request_is_the_same_alone_and_in_any_batch(moe_che
     assert _mixes_that_differ(llm, Workload(vocab_size=384, seed=1), NUM_MIXES) == []
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_batch_invariance_on_gpu(
+    kind: str, tiny_checkpoints: dict[str, Path], moe_checkpoints: dict[str, Path]
+) -> None:
+    """The Triton kernels end to end, in bfloat16, with the decode steps' CUDA graphs (dense)."""
+    path = {**tiny_checkpoints, **moe_checkpoints}[kind]
+    llm = _engine(path, batch_invariant=True, device="cuda", dtype="bfloat16")
+    assert _mixes_that_differ(llm, Workload(vocab_size=384), NUM_MIXES) == []
+
+
 def test_unsupported_configurations_are_refused(tiny_checkpoints: dict[str, Path]) -> None:
     path = str(tiny_checkpoints["llama"])
     with pytest.raises(ValueError, match="float weights only"):
@@ -118,7 +129,9 @@ def test_unsupported_configurations_are_refused(tiny_checkpoints: dict[str, Path
     assert EngineArgs(path, batch_invariant=True).create_engine_config().model_config.batch_invariant
 
 
-@pytest.mark.parametrize("command", [["serve"], ["batch", "-i", "in.jsonl", "-o", "out.jsonl"], ["bench", "throughput"]])
+@pytest.mark.parametrize(
+    "command", [["serve"], ["batch", "-i", "in.jsonl", "-o", "out.jsonl"], ["bench", "throughput"]]
+)
 def test_the_flag_reaches_the_engine_arguments(command: list[str]) -> None:
     from shoal.cli import engine_args_from, make_parser
 

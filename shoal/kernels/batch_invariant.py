@@ -3,14 +3,15 @@ GEMMs, norms and router of `batch_invariant=True` (docs/batch_invariance.md).
 
 A GEMM's row of x W^T is one dot product per output column, but which kernel computes it, and so
 the order of its additions, may depend on the number of rows M: torch's CPU GEMM (MKL / oneDNN)
-gives rows of M = 1 to 3 (and up to 11 with two threads) other last bits than the same rows in a
-larger M, and on a GPU cuBLAS picks tiles and split-K by M. Norms and softmaxes over a row are
+gives rows of M = 1 to 3 (and 5-7, 9-11 with two threads) other last bits than the same rows
+in a larger M, and on a GPU cuBLAS picks tiles and split-K by M. Norms and softmaxes over a row are
 reductions whose CPU parallel split depends on the tensor's size.
 
-The CPU path here runs each op over fixed tiles of `ROW_TILE` rows, the last one padded with
-zeros: every row goes through the same kernel with the same shape, whatever the batch, and the
-kernels' arithmetic for one row of a tile does not depend on its slot or on the other rows
-(tests/kernels/test_batch_invariant_ops.py checks both on this machine's torch). On CUDA each op is a
+The CPU path here pads the rows to whole tiles of `ROW_TILE` rows: the GEMM runs once over
+them, the norms and the activation tile by tile (so every reduction keeps one shape, and with
+it its thread split and vector tail). A row's bits then depend neither on its slot in a tile
+nor on the other rows, nor, for the GEMM, on the number of tiles
+(tests/kernels/test_batch_invariant_ops.py checks all three on the machine it runs on). On CUDA each op is a
 Triton kernel whose reduction order is fixed by its launch constants alone
 (shoal/kernels/triton/batch_invariant.py): one program per row for the norm, a GEMM with one
 tile configuration and no split-K for every M.
@@ -61,10 +62,10 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) as one GEMM over the rows padded to whole tiles.
 
-    One GEMM, not one per tile: MKL packs the weight on every call, so 16-row calls cost three
-    times the whole batch's at prefill. This leans on what the tiles' test checks: MKL gives a
-    row the same bits in every M that is a whole number of tiles (1 to 1024 tiles, one and two
-    threads, on this machine); only M below 16, or not a multiple of 4, changes them."""
+    One GEMM, not one per tile (which would pack the weight on every call). This leans on what
+    the tests check: MKL gives a row the same bits in every M that is a whole number of tiles
+    (up to 1024 rows, one and two threads, on this machine), whatever its slot; only some M
+    below 16 pick other kernels (M = 1 to 3 here, and 5-7 and 9-11 with two threads)."""
     rows = _as_rows(x)
     out = F.linear(pad_rows(rows), weight, bias)[: rows.shape[0]]
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -75,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     kernel = registered_kernel("bi_matmul", x)
     if kernel is None:
         return linear_ref(x, weight, bias)
-    rows = _as_rows(x)
+    rows = _as_rows(x).contiguous()
     out = rows.new_empty(rows.shape[0], weight.shape[0])
     kernel(out, rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

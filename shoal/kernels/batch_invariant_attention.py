@@ -76,9 +76,7 @@ def _step_plan(md: AttentionMetadata) -> TilePlan:
     return md.backend_state
 
 
-def _context_tile(
-    cache: torch.Tensor, md: AttentionMetadata, requests: torch.Tensor, first: int
-) -> torch.Tensor:
+def _context_tile(cache: torch.Tensor, md: AttentionMetadata, requests: torch.Tensor, first: int) -> torch.Tensor:
     """cache [num_blocks, block_size, nkv, hd] -> positions [first, first + KV_TILE) of each of
     `requests`, float32 [len(requests) * nkv, KV_TILE, hd], zeros past each context."""
     block_size = cache.shape[1]

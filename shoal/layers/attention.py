@@ -58,7 +58,9 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, attn_metadata)
         return out.view(num_tokens, self.num_heads * self.head_dim)  # [num_tokens, num_heads * head_dim]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim] over the cache (holding this step's k and v) ->
         [num_tokens, num_heads, head_dim]. k and v too: fresh prompts can attend over them
         directly instead of the cache. (batch_invariant=True replaces it: shoal/layers/batch_invariant.py.)"""

@@ -67,7 +67,9 @@ class BatchInvariantRMSNorm(RMSNorm):
 
 
 class BatchInvariantAttention(Attention):
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         assert self.kv_cache is not None
         return paged_attention(q, self.kv_cache, attn_metadata, self.scale)
 
@@ -77,8 +79,7 @@ class BatchInvariantMoEGate(MoEGate):
         logits = bi.linear(hidden_states.to(self.weight.dtype), self.weight, None)  # [num_tokens, num_experts]
         # The top-k rule row by row, on row tiles: a softmax over the experts is a reduction.
         choices = [
-            select_experts(tile, self.routing, self.e_score_correction_bias)
-            for tile in logits.split(bi.ROW_TILE)
+            select_experts(tile, self.routing, self.e_score_correction_bias) for tile in logits.split(bi.ROW_TILE)
         ]
         return torch.cat([w for w, _ in choices]), torch.cat([i for _, i in choices])
 
@@ -129,7 +130,9 @@ def _check_supported(name: str, module: nn.Module) -> None:
     from shoal.layers.mla import MLAAttention
 
     if isinstance(module, LinearBase) and type(module.linear_method) is not UnquantizedLinearMethod:
-        raise ValueError(f"batch_invariant supports float weights only; {name} is {type(module.linear_method).__name__}")
+        raise ValueError(
+            f"batch_invariant supports float weights only; {name} is {type(module.linear_method).__name__}"
+        )
     if isinstance(module, FusedMoE) and type(module.moe_method) is not UnquantizedMoEMethod:
         raise ValueError(f"batch_invariant supports float experts only; {name} is {type(module.moe_method).__name__}")
     if isinstance(module, MLAAttention):

@@ -51,7 +51,7 @@ class AttentionCase:
             parts = [(q[-ql:], ql, n, t) for q, ql, n, t in zip(
                 self.neighbour_queries, query_lens, self.neighbour_lens, self.tables[1:]
             )]  # fmt: skip
-            batch = parts[:first] + [(self.queries[start:end], end - start, end, self.tables[0])] + parts[first:]
+            batch = [*parts[:first], (self.queries[start:end], end - start, end, self.tables[0]), *parts[first:]]
             query = torch.cat([b[0] for b in batch])
             md = make_attention_metadata(
                 [b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch], self.block_size, self.device

@@ -48,6 +48,9 @@ def test_linear_rows_do_not_depend_on_the_batch(threads: int, k: int, n: int) ->
     x, weight, bias = torch.randn(64, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     assert _rows_agree(lambda rows: bi.linear(rows, weight, bias), x) == []
     torch.testing.assert_close(bi.linear(x, weight, bias), F.linear(x, weight, bias))
+    # One GEMM over all the tiles: a row's bits the same in a prefill-sized M.
+    big = torch.cat([x, torch.randn(1024 - 64, k, generator=gen)])
+    assert torch.equal(bi.linear(big, weight, bias)[:64], bi.linear(x, weight, bias))
 
 
 def test_a_row_in_any_slot_of_a_tile_gives_the_same_bits(threads: int) -> None:

@@ -65,10 +65,14 @@ def _matmul_kernel(
         k = k_start + offs_k
         k_valid = k < K
         x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_x + k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_x + k[None, :],
+            mask=m_valid[:, None] & k_valid[None, :],
+            other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         w = tl.load(
-            w_ptr + offs_n[:, None].to(tl.int64) * stride_w + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0
+            w_ptr + offs_n[:, None].to(tl.int64) * stride_w + k[None, :],
+            mask=n_valid[:, None] & k_valid[None, :],
+            other=0.0,
         )  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
