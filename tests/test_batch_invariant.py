@@ -122,10 +122,16 @@ def test_batch_invariance_on_gpu(
     assert _mixes_that_differ(llm, Workload(vocab_size=384), NUM_MIXES) == []
 
 
-def test_unsupported_configurations_are_refused(tiny_checkpoints: dict[str, Path]) -> None:
+def test_unsupported_configurations_are_refused(
+    tiny_checkpoints: dict[str, Path], deepseek_checkpoints: dict[str, Path]
+) -> None:
     path = str(tiny_checkpoints["llama"])
     with pytest.raises(ValueError, match="float weights only"):
         EngineArgs(path, batch_invariant=True, quantization="fp8").create_engine_config()
+    with pytest.raises(ValueError, match="batch_invariant needs kv_cache_dtype"):
+        EngineArgs(path, batch_invariant=True, kv_cache_dtype="fp8").create_engine_config()
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        LLM(str(deepseek_checkpoints["deepseek_v3"]), multiprocess=False, batch_invariant=True)
     assert EngineArgs(path, batch_invariant=True).create_engine_config().model_config.batch_invariant
 
 

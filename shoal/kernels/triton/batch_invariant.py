@@ -157,9 +157,11 @@ def _attention_kernel(
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - query_len
+    if query_len <= 0:
+        return  # a request with nothing to compute
     tile = context_len // Q_TILE + tl.program_id(1)  # absolute: positions [tile * Q_TILE, +Q_TILE)
-    if query_len <= 0 or tile * Q_TILE >= seq_len:
-        return  # a padding request, or a tile number past this request's last
+    if tile * Q_TILE >= seq_len:
+        return  # a tile number past this request's last
 
     offs_m = tl.arange(0, BLOCK_M)
     pos = tile * Q_TILE + offs_m // HEADS_PER_KV  # [BLOCK_M] token-major rows: a token's row is fixed
