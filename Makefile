@@ -37,6 +37,12 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 		antlr4-python3-runtime==4.9.3 codetiming==1.4.0 tensordict==0.10.0 pyvers==0.2.3 torchdata==0.11.0 \
 		pylatexenc==2.11 dill==0.4.1 cloudpickle==3.1.3
 	rm -rf $(VENV)/verl-site/tests
+	# AReaL, for its own SGLang backend against shoal (tests/entrypoints/test_rl_native_apis.py):
+	# it pins torch<2.11 and transformers<=5.3, so it goes the same way, into its own folder.
+	$(BIN)/pip install -q --no-deps --target $(VENV)/areal-site areal==1.0.4 colorlog==6.12.0 flask==3.1.3 \
+		blinker==1.9.0 itsdangerous==2.2.0 torchdata==0.11.0 hydra-core==1.3.8 omegaconf==2.4.0 \
+		antlr4-python3-runtime==4.9.3 numba==0.68.1 llvmlite==0.50.0 einops==0.8.2 aiofiles==25.1.0 pybase64==1.5.1
+	rm -rf $(VENV)/areal-site/tests
 	touch $(TEST_STAMP)
 
 install: $(STAMP)

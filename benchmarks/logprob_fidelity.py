@@ -42,7 +42,9 @@ def main() -> None:
     model = args.model or ensure_demo_model()
 
     llm = LLM(model, dtype=args.dtype, device=args.device, logprobs_mode=args.logprobs_mode, multiprocess=False)
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, logprobs=0) for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, logprobs=0) for i in range(len(PROMPTS))
+    ]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     llm.shutdown()
 

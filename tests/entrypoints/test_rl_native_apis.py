@@ -290,6 +290,60 @@ def test_areal_sglang_backend(http: httpx.Client, tiny_model_path: str, tmp_path
         http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
 
 
+def _areal_on_path() -> None:
+    """AReaL's folder (the Makefile's `$(VENV)/areal-site`, or AREAL_SITE), appended to sys.path."""
+    import os
+    import sys
+    from pathlib import Path
+
+    site = os.environ.get("AREAL_SITE") or str(Path(sys.prefix) / "areal-site")
+    if Path(site, "areal").is_dir() and site not in sys.path:
+        sys.path.append(site)
+
+
+def test_areal_own_sglang_backend(http: httpx.Client, tiny_model_path: str, tmp_path) -> None:
+    """AReaL 1.0.4's own `SGLangBackend` (areal/engine/sglang_remote.py, installed without its
+    pins): its generation request and parser (logprobs, finish reason), pause and continue, a
+    disk update from its `WeightUpdateMeta`, offload and onload, as its remote engine sends them."""
+    _areal_on_path()
+    sglang_remote = pytest.importorskip("areal.engine.sglang_remote")
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+
+    backend = sglang_remote.SGLangBackend()
+
+    def call(request) -> dict:
+        response = http.request(request.method, request.endpoint, json=request.payload)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    gconfig = GenerationHyperparameters(max_new_tokens=6, greedy=True)
+    request = backend.build_generation_request(
+        ModelRequest(input_ids=PROMPT_IDS(http), gconfig=gconfig), with_lora=False, version=0
+    )
+    before = backend.parse_generation_response(call(request))
+    assert len(before.output_tokens) == len(before.output_logprobs) == 6 and before.stop_reason == "length"
+    assert call(backend.get_pause_request())["status"] == "ok"
+    assert call(backend.get_resume_request())["status"] == "ok"
+    trainer = Trainer(tiny_model_path)
+    trainer.train_step(seed=17)
+    try:
+        (disk,) = backend.build_disk_weight_update_requests(
+            WeightUpdateMeta(type="disk", path=trainer.save(str(tmp_path / "step")))
+        ).requests
+        assert call(disk)["success"] is True
+        after = call(request)
+        assert backend.parse_generation_response(after).output_tokens != before.output_tokens
+        assert after["meta_info"]["weight_version"] != "0"
+        assert call(backend.get_offload_request())["success"] is True
+        call(backend.get_onload_request(["weights"]))
+        call(backend.get_onload_request(["kv_cache"]))
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    finally:
+        http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
+    assert backend.parse_generation_response(call(request)).output_tokens == before.output_tokens
+
+
 def PROMPT_IDS(http: httpx.Client) -> list[int]:
     return http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
 
