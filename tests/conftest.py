@@ -26,6 +26,18 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 _terminal = None
 
+# Session fixtures that start something costly (a Ray cluster, an OpenAI server): `make test` runs
+# two pytest-xdist workers with `--dist loadgroup`, and every test using one of these goes to the
+# same worker, so each starts once. Other tests go by module, so a module's fixtures start once.
+_SHARED_FIXTURE_GROUPS = {"ray_cluster": "ray", "server": "server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        group = next((g for f, g in _SHARED_FIXTURE_GROUPS.items() if f in fixtures), item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config: pytest.Config) -> None:

@@ -6,6 +6,7 @@ tensor parallelism; the multi-token-prediction layers skipped; dummy weights."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -106,9 +107,11 @@ def test_tp2_splits_the_heads(deepseek_checkpoints, rank):
     assert torch.equal(attn.q_a_proj.weight, hf[f"{p}q_a_proj.weight"])
 
 
-def test_multi_token_prediction_layers_are_skipped(deepseek_checkpoints, tmp_path, caplog):
+def test_multi_token_prediction_layers_are_skipped(deepseek_checkpoints, tmp_path, caplog, monkeypatch):
     """A V3 checkpoint with a next-token-prediction layer after its 3 decoder layers (as the
     released model's `model.layers.61`) loads the same model."""
+    # shoal's logger stops propagating once a test has configured it (shoal/logger.py).
+    monkeypatch.setattr(logging.getLogger("shoal"), "propagate", True)
     source = deepseek_checkpoints["deepseek_v3"]
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
         shutil.copy(source / name, tmp_path / name)
