@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +44,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     global _terminal
     _terminal = config.pluginmanager.get_plugin("terminalreporter")
+
+
+@pytest.fixture
+def shoal_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog that sees shoal's INFO lines wherever a test runs: once shoal has configured its logger
+    (shoal/logger.py) it no longer propagates to the root logger that caplog listens on."""
+    logger = logging.getLogger("shoal")
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # each line once, whether or not shoal was configured
+    caplog.handler.setLevel(logging.INFO)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+    logger.propagate = propagate
 
 
 @pytest.fixture(scope="session")

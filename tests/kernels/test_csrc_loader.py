@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import pytest
@@ -20,33 +19,30 @@ def fresh_loader(monkeypatch, tmp_path):
     return tmp_path
 
 
-def _fallback_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "CUDA ops not loaded" in r.getMessage()]
+def _fallback_lines(shoal_log) -> list[str]:
+    return [r.getMessage() for r in shoal_log.records if "CUDA ops not loaded" in r.getMessage()]
 
 
-def test_missing_library_falls_back_with_one_info_line(fresh_loader, caplog):
-    with caplog.at_level(logging.INFO, logger="shoal"):
-        assert _C.load() is False
-        assert _C.load() is False  # cached: no second line
-    lines = _fallback_lines(caplog)
+def test_missing_library_falls_back_with_one_info_line(fresh_loader, shoal_log):
+    assert _C.load() is False
+    assert _C.load() is False  # cached: no second line
+    lines = _fallback_lines(shoal_log)
     assert len(lines) == 1 and "not built" in lines[0]
 
 
-def test_library_for_another_torch_is_not_loaded(fresh_loader, monkeypatch, caplog):
+def test_library_for_another_torch_is_not_loaded(fresh_loader, monkeypatch, shoal_log):
     library = fresh_loader / "_C.so"
     library.write_bytes(b"not a real library")
     _C.stamp_path(library).write_text(json.dumps({"torch_version": "0.0.1"}))
     monkeypatch.setattr(torch.version, "cuda", "13.0")  # as on a GPU machine
-    with caplog.at_level(logging.INFO, logger="shoal"):
-        assert _C.load() is False
-    assert "built for torch 0.0.1" in _fallback_lines(caplog)[0]
+    assert _C.load() is False
+    assert "built for torch 0.0.1" in _fallback_lines(shoal_log)[0]
 
 
-def test_disabled_by_the_environment(fresh_loader, monkeypatch, caplog):
+def test_disabled_by_the_environment(fresh_loader, monkeypatch, shoal_log):
     monkeypatch.setattr(envs, "SHOAL_DISABLE_CSRC", True)
-    with caplog.at_level(logging.INFO, logger="shoal"):
-        assert _C.load() is False
-    assert "SHOAL_DISABLE_CSRC" in _fallback_lines(caplog)[0]
+    assert _C.load() is False
+    assert "SHOAL_DISABLE_CSRC" in _fallback_lines(shoal_log)[0]
 
 
 def test_fingerprint_follows_sources_and_architectures(monkeypatch, tmp_path):

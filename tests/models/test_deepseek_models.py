@@ -6,7 +6,6 @@ tensor parallelism; the multi-token-prediction layers skipped; dummy weights."""
 
 from __future__ import annotations
 
-import logging
 import shutil
 
 import pytest
@@ -107,11 +106,9 @@ def test_tp2_splits_the_heads(deepseek_checkpoints, rank):
     assert torch.equal(attn.q_a_proj.weight, hf[f"{p}q_a_proj.weight"])
 
 
-def test_multi_token_prediction_layers_are_skipped(deepseek_checkpoints, tmp_path, caplog, monkeypatch):
+def test_multi_token_prediction_layers_are_skipped(deepseek_checkpoints, tmp_path, shoal_log):
     """A V3 checkpoint with a next-token-prediction layer after its 3 decoder layers (as the
     released model's `model.layers.61`) loads the same model."""
-    # shoal's logger stops propagating once a test has configured it (shoal/logger.py).
-    monkeypatch.setattr(logging.getLogger("shoal"), "propagate", True)
     source = deepseek_checkpoints["deepseek_v3"]
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
         shutil.copy(source / name, tmp_path / name)
@@ -119,9 +116,8 @@ def test_multi_token_prediction_layers_are_skipped(deepseek_checkpoints, tmp_pat
     mtp = {n.replace("model.layers.2.", "model.layers.3."): t for n, t in tensors.items() if ".layers.2." in n}
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(mtp, tmp_path / "model-mtp.safetensors")
-    with caplog.at_level("INFO"):
-        original, with_mtp = load_shoal(source), load_shoal(tmp_path)
-    assert "skipped the multi-token-prediction layers [3]" in caplog.text
+    original, with_mtp = load_shoal(source), load_shoal(tmp_path)
+    assert "skipped the multi-token-prediction layers [3]" in shoal_log.text
     for (name, a), (_, b) in zip(original.named_parameters(), with_mtp.named_parameters()):
         assert torch.equal(a, b), name
 

@@ -142,7 +142,7 @@ def test_dummy_weights_from_a_config_only(moe_checkpoints, tmp_path):
     assert logits.shape == (7, model.config.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_expert_parallel_flag_applies_to_moe_architectures_only(moe_checkpoints, tiny_checkpoints, caplog):
+def test_expert_parallel_flag_applies_to_moe_architectures_only(moe_checkpoints, tiny_checkpoints, shoal_log):
     from shoal.config import EngineArgs
     from shoal.models.registry import is_moe_architecture
 
@@ -152,5 +152,5 @@ def test_expert_parallel_flag_applies_to_moe_architectures_only(moe_checkpoints,
 
     assert parallel(moe_checkpoints["mixtral"]) is True
     assert parallel(tiny_checkpoints["llama"]) is False
-    assert "enable_expert_parallel is ignored" in caplog.text
+    assert "enable_expert_parallel is ignored" in shoal_log.text
     assert is_moe_architecture("Qwen3MoeForCausalLM") and not is_moe_architecture("Qwen3ForCausalLM")
