@@ -12,15 +12,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from shoal.engine_core.kv_cache_manager import hash_block_tokens
+from shoal.engine_core.kv_cache_manager import adapter_root_hash, hash_block_tokens
 from shoal.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The hashes of the prompt's full blocks, as the engine's KV manager computes them."""
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, lora_name: str | None = None) -> list[bytes]:
+    """The hashes of the prompt's full blocks, as the engine's KV manager computes them (a LoRA
+    adapter's blocks descend from the adapter's own root)."""
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+        parent = hashes[-1] if hashes else adapter_root_hash(lora_name)
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
     return hashes
 
 

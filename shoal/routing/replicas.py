@@ -140,6 +140,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def base_model_names(url: str) -> list[str]:
+    """The names a replica serves its base model under (its `/v1/models` cards without a parent;
+    the others are LoRA adapters)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as answer:
+        cards = json.load(answer)["data"]
+    return [card["id"] for card in cards if card.get("parent") is None]
+
+
 def gpu_split(device: str, num_replicas: int, gpus_per_replica: int) -> list[str] | None:
     """Each replica's CUDA_VISIBLE_DEVICES on a GPU host (None on CPU, or when the caller
     already chose the devices)."""
@@ -182,6 +190,7 @@ def run_routed(
             block_size=engine_args.block_size,
             tokenizer=get_tokenizer(engine_args.tokenizer or model),
             session_header=session_header,
+            base_model_names=base_model_names(replicas[0].endpoint.url),
         )
         logger.info(
             "shoal is routing (%s) over %d replicas at http://%s:%d/v1",

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,7 @@ class Router:
         session_header: str = SESSION_HEADER,
         health_interval_s: float = 2.0,
         request_timeout_s: float | None = None,
+        base_model_names: Collection[str] = (),
     ) -> None:
         if not replicas:
             raise ValueError("the router needs at least one replica")
@@ -81,6 +82,8 @@ class Router:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.session_header = session_header.lower()
+        # Any other `model` names a LoRA adapter, whose blocks the replicas key under it.
+        self.base_model_names = frozenset(base_model_names)
         self.health_interval_s = health_interval_s
         self.replicas = [
             ReplicaState(name=r.name or f"replica-{i}", url=r.url.rstrip("/")) for i, r in enumerate(replicas)
@@ -127,12 +130,25 @@ class Router:
         """The prompt's block hashes and the session of one request (no hashes for a body that
         cannot be read: the replica will answer it with its 400)."""
         session_id = headers.get(self.session_header)
-        token_ids = await asyncio.to_thread(self._prompt_token_ids, path, body)
-        return RoutingRequest(prompt_block_hashes(token_ids, self.block_size), session_id)
-
-    def _prompt_token_ids(self, path: str, body: bytes) -> list[int]:
         try:
             request = json.loads(body)
+        except ValueError:
+            return RoutingRequest([], session_id)
+        if not isinstance(request, dict):
+            return RoutingRequest([], session_id)
+        token_ids = await asyncio.to_thread(self._prompt_token_ids, path, request)
+        return RoutingRequest(prompt_block_hashes(token_ids, self.block_size, self._adapter(request)), session_id)
+
+    def _adapter(self, request: dict[str, Any]) -> str | None:
+        """The LoRA adapter a request asks for: a `model` other than the base model's names
+        (unknown names are the replica's 404 to give; their hashes match nothing)."""
+        model = request.get("model")
+        if not self.base_model_names or not isinstance(model, str) or model in self.base_model_names:
+            return None
+        return model
+
+    def _prompt_token_ids(self, path: str, request: dict[str, Any]) -> list[int]:
+        try:
             if path.endswith("/chat/completions"):
                 return self._chat_token_ids(request)
             prompt = request.get("prompt")

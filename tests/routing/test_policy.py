@@ -115,3 +115,27 @@ def test_replica_argv_drops_the_routers_flags() -> None:
     argv = ["m", "--num-replicas", "4", "--routing-policy=session", "--port", "8000", "--host", "0.0.0.0"]
     argv += ["--block-size", "8", "--session-header", "X-Conv", "--kv-events-config", "{}"]
     assert replica_argv(argv) == ["m", "--block-size", "8"]
+
+
+def test_an_adapters_prompt_is_hashed_under_the_adapter() -> None:
+    """A request naming a LoRA adapter hashes as the replicas' KV managers hash the adapter's
+    blocks; the base model's names (and no `model`) hash as the base."""
+    import asyncio
+    import json
+
+    from shoal.routing.router import ReplicaEndpoint, Router
+
+    prompt = list(range(3, 3 + 3 * BLOCK))
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    adapter = Request("a", prompt, SamplingParams(max_tokens=1), eos_token_id=None, max_tokens=1, lora_name="sql")
+    manager.get_computed_blocks(adapter)
+    router = Router([ReplicaEndpoint(url="http://r0")], RoutingPolicy("cache_aware"), BLOCK, base_model_names=["base"])
+
+    def hashes(**body: object) -> list[bytes]:
+        routed = asyncio.run(router.routing_request("/v1/completions", json.dumps(body).encode(), {}))
+        return routed.block_hashes
+
+    assert hashes(model="sql", prompt=prompt) == adapter.block_hashes
+    assert hashes(model="base", prompt=prompt) == hashes(prompt=prompt) == prompt_block_hashes(prompt, BLOCK)
+    assert prompt_block_hashes(prompt, BLOCK) != adapter.block_hashes
+    assert hashes(model="sql", prompt="no tokenizer") == []
