@@ -179,9 +179,8 @@ class ModelRunner:
         """Capture the decode graphs (GPU, one pipeline stage, unless enforce_eager)."""
         if self.device.type != "cuda" or self.model_config.enforce_eager or get_pp_group().world_size > 1:
             return
-        if self.speculation is not None:
-            logger.info("speculative decoding runs its steps eagerly: no decode graphs captured")
-            return
+        # With speculative decoding the graphs serve the steps without drafts (speculation switched
+        # off by batch size or acceptance, or nothing to propose); verification steps run eagerly.
         self.cuda_graphs = CudaGraphRunner(
             self._model, self.buffers, self.config.scheduler_config.max_num_seqs, self.model_config.max_model_len
         )
