@@ -57,7 +57,7 @@ serve: install
 	$(BIN)/shoal serve $(SERVE_ARGS)
 
 test: install-test
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup --durations=15 tests
 
 # Several Ray nodes on this machine (tests/cluster/): batch jobs, Ray Serve, placement, failures.
 test-cluster: install-test
