@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
+import logging
 import time
 from collections.abc import Iterator
 
@@ -290,8 +291,12 @@ def test_areal_sglang_backend(http: httpx.Client, tiny_model_path: str, tmp_path
         http.post("/update_weights_from_disk", json={"model_path": tiny_model_path, "weight_version": "0"})
 
 
-def _areal_on_path() -> None:
-    """AReaL's folder (the Makefile's `$(VENV)/areal-site`, or AREAL_SITE), appended to sys.path."""
+@pytest.fixture
+def areal_on_path() -> Iterator[None]:
+    """AReaL's folder (the Makefile's `$(VENV)/areal-site`, or AREAL_SITE), appended to sys.path.
+    AReaL's `getLogger` replaces the logging module's root logger and manager (areal/utils/logging.py),
+    which would orphan every logger made afterwards from the root that pytest's caplog listens on:
+    they are put back after the test."""
     import os
     import sys
     from pathlib import Path
@@ -299,13 +304,15 @@ def _areal_on_path() -> None:
     site = os.environ.get("AREAL_SITE") or str(Path(sys.prefix) / "areal-site")
     if Path(site, "areal").is_dir() and site not in sys.path:
         sys.path.append(site)
+    root, manager = logging.Logger.root, logging.Logger.manager
+    yield
+    logging.Logger.root, logging.Logger.manager = root, manager
 
 
-def test_areal_own_sglang_backend(http: httpx.Client, tiny_model_path: str, tmp_path) -> None:
+def test_areal_own_sglang_backend(http: httpx.Client, tiny_model_path: str, tmp_path, areal_on_path) -> None:
     """AReaL 1.0.4's own `SGLangBackend` (areal/engine/sglang_remote.py, installed without its
     pins): its generation request and parser (logprobs, finish reason), pause and continue, a
     disk update from its `WeightUpdateMeta`, offload and onload, as its remote engine sends them."""
-    _areal_on_path()
     sglang_remote = pytest.importorskip("areal.engine.sglang_remote")
     from areal.api.cli_args import GenerationHyperparameters
     from areal.api.io_struct import ModelRequest, WeightUpdateMeta
