@@ -20,7 +20,7 @@ Hugging Face's order of operations (so float32 matches it to the last bits or ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,24 @@ from shoal.kernels.dispatch import registered_kernel
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
     """The router's expert ids as this rank's expert rows (-1: an expert of another rank)."""
     return topk_ids if expert_map is None else expert_map[topk_ids.long()]
+
+
+def expert_entries(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each local expert that was chosen, in id order, with its entries (entry = token * top_k
+    + j of topk_ids [num_tokens, top_k]) in token order."""
+    ids = local_expert_ids(topk_ids, expert_map).flatten().long()  # [num_tokens * top_k]
+    on_rank = (ids >= 0) & (ids < num_local_experts)
+    entries = torch.nonzero(on_rank).flatten()
+    order = torch.argsort(ids[entries], stable=True)  # group the entries by expert
+    entries = entries[order]
+    counts = torch.bincount(ids[entries], minlength=num_local_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, entries[start : start + count]
+        start += count
 
 
 def fused_moe_ref(
@@ -48,21 +66,10 @@ def fused_moe_ref(
     `intermediate_quant` rounds each expert's silu(gate) * up as a quantized down projection's
     input is rounded (the block-fp8 reference, shoal/kernels/fused_moe_block_fp8.py)."""
     top_k = topk_ids.shape[1]
-    num_local_experts, intermediate2, _ = w13.shape
+    intermediate2 = w13.shape[1]
     out = torch.zeros_like(hidden_states)
-    ids = local_expert_ids(topk_ids, expert_map).flatten().long()  # [num_tokens * top_k], entry = token * top_k + j
-    on_rank = (ids >= 0) & (ids < num_local_experts)
-    entries = torch.nonzero(on_rank).flatten()
-    order = torch.argsort(ids[entries], stable=True)  # group the entries by expert
-    entries = entries[order]
-    counts = torch.bincount(ids[entries], minlength=num_local_experts).tolist()
     weights = topk_weights.flatten()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        chosen = entries[start : start + count]  # this expert's entries
-        start += count
+    for expert, chosen in expert_entries(topk_ids, expert_map, w13.shape[0]):
         tokens = chosen // top_k
         gate, up = F.linear(hidden_states[tokens], w13[expert]).split(intermediate2 // 2, dim=-1)
         activated = F.silu(gate) * up  # [count, intermediate]

@@ -180,7 +180,7 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(
         "rank": (broken("rank", lambda c: c.update(r=128)), "over max_lora_rank=64"),
         "modules_to_save": (broken("mts", lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
         "target": (broken("target", lambda c: c.update(target_modules=["q_proj", "rotary_proj"])), "unknown target"),
-        "experts": (broken("experts", lambda c: c.update(target_parameters=["gate_up_proj"])), "MoE experts"),
+        "experts": (broken("experts", lambda c: c.update(target_parameters=["mlp.gate.weight"])), "unknown target param"),
         "shape": (
             broken("shape", edit_weights=wrong_shape),
             r"q_proj.lora_B has shape \[62, 8\], but the base model.s layer needs \[64, 8\]",
