@@ -34,14 +34,16 @@ class ExpertSlots:
         self.experts, self.projection, self.lora_rank = experts, projection, rank
         self.module_name = f"{prefix}.{projection}"
         empty_a, empty_b = self.slot_tensors({})
-        device = experts.w13_weight.device
+        device = next(experts.parameters()).device
         self.lora_a = torch.zeros(max_loras, *empty_a.shape, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, *empty_b.shape, dtype=dtype, device=device)
 
     def slot_tensors(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (A, B) of one adapter, zero where it has no such module or a smaller rank."""
         p, hidden = self.experts.placement, self.experts.hidden_size
-        in_size, out_size = (hidden, 2 * p.intermediate_per_rank) if self.is_gate_up else (p.intermediate_per_rank, hidden)
+        in_size, out_size = (
+            (hidden, 2 * p.intermediate_per_rank) if self.is_gate_up else (p.intermediate_per_rank, hidden)
+        )
         lora_a = torch.zeros(p.num_local_experts, self.lora_rank, in_size)
         lora_b = torch.zeros(p.num_local_experts, out_size, self.lora_rank)
         if self.module_name not in modules:
@@ -78,9 +80,11 @@ class LoRAFusedMoE:
         if not self.token_slots.experts_active:
             return super().forward(hidden_states, topk_weights, topk_ids)  # type: ignore[misc]
         base: FusedMoE = self  # type: ignore[assignment]
+        w13: torch.Tensor = base.w13_weight  # type: ignore[assignment]
+        w2: torch.Tensor = base.w2_weight  # type: ignore[assignment]
         gate_up, down = self.gate_up_lora, self.down_lora
         out = fused_moe_lora(
-            hidden_states, base.w13_weight, base.w2_weight, topk_weights, topk_ids, base.expert_map,
+            hidden_states, w13, w2, topk_weights, topk_ids, base.expert_map,
             gate_up.lora_a, gate_up.lora_b, down.lora_a, down.lora_b, self.token_slots.slots[: hidden_states.shape[0]],
         )  # fmt: skip
         return get_tp_group().all_reduce(out) if base.reduce_results else out
@@ -110,7 +114,9 @@ class ModelExperts:
     """The model's routed experts as LoRA sees them: the slot holders of the experts that take
     LoRA, and the names of those that cannot (quantized: an adapter reaching them is refused)."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, token_slots: TokenSlots, dtype: torch.dtype):
+    def __init__(
+        self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, token_slots: TokenSlots, dtype: torch.dtype
+    ):
         self.holders: list[ExpertSlots] = []
         self.refused: dict[str, str] = {}  # prefix → why
         for name, module in list(model.named_modules()):

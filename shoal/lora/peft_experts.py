@@ -70,7 +70,9 @@ def expert_module_name(module: str, config: dict) -> str:
     return f"model.layers.{match.group(1)}.mlp.experts.{targeted[len(targeted) - 1 - depth]}"
 
 
-def split_experts(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_experts(
+    name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A wrapper's (lora_A [r * E, in], lora_B [out, r * E]) as (A [E, r, in], B [E, out, r]);
     raises ValueError."""
     rows = lora_a.shape[0]

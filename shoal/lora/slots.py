@@ -58,7 +58,9 @@ class LoRASlots:
         self.token_slots.experts_active = not skip_idle_steps
         self.layers: list[LoRALayer | ExpertSlots] = [*wrap_layers(model, lora_config, self.token_slots, dtype)]
         lora_dtype = dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
-        self.experts = ModelExperts(model, lora_config.max_loras, lora_config.max_lora_rank, self.token_slots, lora_dtype)
+        self.experts = ModelExperts(
+            model, lora_config.max_loras, lora_config.max_lora_rank, self.token_slots, lora_dtype
+        )
         self.layers += self.experts.holders
         self.slot_has_experts = [False] * lora_config.max_loras
         self.registered: dict[str, Registered] = {}
@@ -242,7 +244,7 @@ class LoRASlots:
         pin = self.token_slots.slots.device.type == "cuda"
         slot_form = []
         for layer in self.layers:
-            lora_a, lora_b = layer.slot_tensors(adapter.modules)  # type: ignore[attr-defined]
+            lora_a, lora_b = layer.slot_tensors(adapter.modules)  # type: ignore[union-attr]
             lora_a, lora_b = lora_a.to(layer.lora_a.dtype), lora_b.to(layer.lora_b.dtype)
             slot_form.append((lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b))
         adapter.slot_form = slot_form

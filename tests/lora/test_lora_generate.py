@@ -185,10 +185,15 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(
         "rank": (broken("rank", lambda c: c.update(r=128)), "over max_lora_rank=64"),
         "modules_to_save": (broken("mts", lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
         "target": (broken("target", lambda c: c.update(target_modules=["q_proj", "rotary_proj"])), "unknown target"),
-        "experts": (broken("experts", lambda c: c.update(target_parameters=["mlp.gate.weight"])), "unknown target param"),
+        "experts": (
+            broken("experts", lambda c: c.update(target_parameters=["mlp.gate.weight"])),
+            "unknown target param",
+        ),
         "dense_experts": (
             broken(
-                "dense_experts", lambda c: c.update(target_parameters=["mlp.experts.down_proj"]), experts_on_a_dense_model
+                "dense_experts",
+                lambda c: c.update(target_parameters=["mlp.experts.down_proj"]),
+                experts_on_a_dense_model,
             ),
             "the model has no routed experts",
         ),

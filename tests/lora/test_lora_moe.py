@@ -28,8 +28,9 @@ def moe_adapters(moe_checkpoints: dict, tmp_path_factory: pytest.TempPathFactory
 
     return {
         "moe_r8": make("moe_r8", r=8, target_modules=ATTENTION_PROJECTIONS, seed=11),
-        "moe_r64_rs": make("moe_r64_rs", r=64, lora_alpha=32, use_rslora=True, target_modules=ATTENTION_PROJECTIONS,
-                           seed=12),  # fmt: skip
+        "moe_r64_rs": make(
+            "moe_r64_rs", r=64, lora_alpha=32, use_rslora=True, target_modules=ATTENTION_PROJECTIONS, seed=12
+        ),
         "experts_only": make("experts_only", r=16, target_modules=[], seed=13),
     }
 
@@ -47,7 +48,9 @@ def moe_llm(moe_checkpoints: dict) -> LLM:
 
 
 def _generate(llm: LLM, prompts: list[list[int]], lora_request) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=lora_request)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=lora_request
+    )
     return [o.outputs[0].token_ids for o in outputs]
 
 

@@ -53,7 +53,12 @@ def test_expert_lora_tp2_through_ray_equals_tp1(
 
     base = moe_checkpoints["qwen3_moe"]
     adapter = make_adapter(
-        base, tmp_path / "adapter", r=8, seed=22, target_modules=ATTENTION_PROJECTIONS, target_parameters=EXPERT_PARAMETERS
+        base,
+        tmp_path / "adapter",
+        r=8,
+        seed=22,
+        target_modules=ATTENTION_PROJECTIONS,
+        target_parameters=EXPERT_PARAMETERS,
     )
     loras = [LoRARequest("a", 1, str(adapter))] * 2 + [None] * 2
     prompts = [{"prompt_token_ids": p} for p in PROMPTS] * 2
