@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from shoal import LLM, LoRARequest, SamplingParams
 from tests.hf_reference import hf_greedy
@@ -119,10 +120,15 @@ def test_bad_expert_adapters_are_refused(moe_llm: LLM, moe_adapters: dict, tmp_p
         for key in [k for k in t if ".experts." in k]:
             t[key] = (t[key][:96] if "lora_A" in key else t[key][:, :96]).contiguous()
 
+    def per_expert_module(t):  # transformers 4's layout: one module per expert
+        t["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"] = torch.zeros(16, 64)
+        t["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight"] = torch.zeros(32, 16)
+
     cases = {
         "router": (broken("router", lambda c: c.update(target_parameters=["mlp.gate.weight"])), "unknown target param"),
         "experts": (broken("experts", edit_weights=fewer_experts), r"gate_up_proj.lora_A has shape \[6, 16, 64\]"),
     }
+    cases["per_expert"] = (broken("per_expert", edit_weights=per_expert_module), "per-expert layout")
     for i, (name, (path, message)) in enumerate(cases.items()):
         with pytest.raises(ValueError, match=message):
             _generate(moe_llm, [[1, 2, 3]], LoRARequest(name, 200 + i, path))
