@@ -13,7 +13,8 @@ the one in which PEFT swaps its in and out features). Two parameters of one modu
 one inside the other, in the order the module declares them: gate_up_proj innermost, so with both
 targeted the checkpoint names `experts.base_layer.lora_A` gate_up's and `experts.lora_A` down's.
 
-Read here into shoal's form, one module per stacked projection with its scaling folded into B:
+Read here into shoal's form, one module per stacked projection (shoal/lora/peft_checkpoint.py
+folds the scaling into B, as for every module):
 
     model.layers.{L}.mlp.experts.gate_up_proj   A [E, r, hidden]        B [E, 2 * intermediate, r]
     model.layers.{L}.mlp.experts.down_proj      A [E, r, intermediate]  B [E, hidden, r]
