@@ -128,7 +128,7 @@ class LoRASlots:
     def _replace_modules(self, name: str, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         adapter = self._adapter(name)
         updated = LoRAAdapter(name, adapter.path, adapter.rank, {**adapter.modules, **modules})
-        updated.rank = max(a.shape[0] for a, _ in updated.modules.values())
+        updated.rank = max(a.shape[-2] for a, _ in updated.modules.values())  # A [r, in] or the experts' [E, r, in]
         if updated.rank > self.config.max_lora_rank:
             raise ValueError(
                 f"LoRA adapter {name!r}: rank {updated.rank} is over max_lora_rank={self.config.max_lora_rank}"

@@ -43,9 +43,13 @@ def test_tp2_through_ray_equals_tp1(ray_cluster: dict, tiny_checkpoints: dict, t
 
 # LoRA on the routed experts: TP cuts gate_up's B and down's A like the experts' intermediate
 # dimension, EP keeps each rank's experts whole; either equals TP=1 and transformers + peft.
-# Two Ray workers each (about 25 s on two cores): with the slow tests.
-@pytest.mark.slow
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts_tp", "experts_ep"])
+# Two Ray workers each: the tensor-parallel cut (B of gate_up and A of down split) runs in make
+# test, expert parallelism with the slow tests (tests/lora/test_expert_lora_layers.py checks both
+# cuts' partial sums without Ray).
+@pytest.mark.parametrize(
+    "expert_parallel",
+    [pytest.param(False, id="experts_tp"), pytest.param(True, marks=pytest.mark.slow, id="experts_ep")],
+)
 def test_expert_lora_tp2_through_ray_equals_tp1(
     ray_cluster: dict, moe_checkpoints: dict, tmp_path, expert_parallel: bool
 ) -> None:
