@@ -133,3 +133,22 @@ def test_bad_expert_adapters_are_refused(moe_llm: LLM, moe_adapters: dict, tmp_p
         with pytest.raises(ValueError, match=message):
             _generate(moe_llm, [[1, 2, 3]], LoRARequest(name, 200 + i, path))
     assert _generate(moe_llm, PROMPTS[:1], None)  # the engine keeps serving
+
+
+def test_steps_without_expert_adapters_take_the_plain_fused_path(
+    moe_llm: LLM, moe_checkpoints: dict, moe_adapters: dict, tmp_path, monkeypatch
+) -> None:
+    """Base-model steps, and steps whose adapters have no experts' weights, pay nothing for the
+    experts' LoRA (eager steps on CPU: `TokenSlots.experts_active`)."""
+    import shoal.lora.expert_layers as expert_layers
+
+    calls = []
+    lora_path = expert_layers.fused_moe_lora
+    monkeypatch.setattr(expert_layers, "fused_moe_lora", lambda *args: calls.append(1) or lora_path(*args))
+    attention_only = make_adapter(
+        moe_checkpoints["qwen3_moe"], tmp_path / "attention_only", r=8, target_modules=ATTENTION_PROJECTIONS, seed=14
+    )
+    _generate(moe_llm, PROMPTS, [None, LoRARequest("attention_only", 60, str(attention_only))])
+    assert not calls
+    _generate(moe_llm, PROMPTS, [None, _lora(moe_adapters, "moe_r8")])
+    assert calls
