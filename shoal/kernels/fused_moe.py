@@ -109,22 +109,33 @@ def warm_up_fused_moe(
     kernel = registered_kernel("fused_moe", w13)
     if kernel is None:
         return []
-    from shoal.kernels.triton.fused_moe_config import device_name, dtype_name, launch_table, warm_up_token_counts
-
-    num_experts, intermediate2, hidden = w13.shape
     # Kernels compile per shape and dtype, not per layer: the model's other layers of this
     # shape have nothing left to compile.
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, w13.device, top_k, max_num_tokens, expert_map is not None)
     if key in _WARMED_UP:
         return []
     _WARMED_UP.add(key)
+    batches = warm_up_batches(w13, top_k, max_num_tokens, expert_map)
+    for hidden_states, topk_weights, topk_ids in batches:
+        kernel(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+    return [hidden_states.shape[0] for hidden_states, _, _ in batches]
+
+
+def warm_up_batches(
+    w13: torch.Tensor, top_k: int, max_num_tokens: int, expert_map: torch.Tensor | None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(hidden_states, topk_weights, topk_ids) of one batch per launch configuration that
+    batches of up to `max_num_tokens` tokens can pick (CUDA: the Triton launch tables)."""
+    from shoal.kernels.triton.fused_moe_config import device_name, dtype_name, launch_table, warm_up_token_counts
+
+    num_experts, intermediate2, hidden = w13.shape
     table = launch_table(num_experts, intermediate2 // 2, dtype_name(w13.dtype), device_name(w13.device))
     num_global_experts = num_experts if expert_map is None else expert_map.numel()
-    counts = warm_up_token_counts(table, max_num_tokens)
-    for num_tokens in counts:
+    batches = []
+    for num_tokens in warm_up_token_counts(table, max_num_tokens):
         hidden_states = torch.zeros(num_tokens, hidden, dtype=w13.dtype, device=w13.device)
         # Choices spread over every expert, so that every expert's blocks are in use.
         topk_ids = torch.arange(num_tokens * top_k, device=w13.device).remainder(num_global_experts)
         topk_weights = torch.ones(num_tokens, top_k, dtype=torch.float32, device=w13.device)
-        kernel(hidden_states, w13, w2, topk_weights, topk_ids.view(num_tokens, top_k), expert_map)
-    return counts
+        batches.append((hidden_states, topk_weights, topk_ids.view(num_tokens, top_k)))
+    return batches

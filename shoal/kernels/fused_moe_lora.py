@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.kernels.dispatch import registered_kernel
-from shoal.kernels.fused_moe import expert_entries
+from shoal.kernels.fused_moe import expert_entries, warm_up_batches
 from shoal.kernels.lora import lora_expand_ref, lora_shrink_ref
 
 
@@ -83,3 +83,33 @@ def fused_moe_lora(
     if kernel is None:
         return fused_moe_lora_ref(*args, token_slots)
     return kernel(*args, token_slots)  # type: ignore[return-value]
+
+
+_WARMED_UP: set[tuple] = set()
+
+
+def warm_up_fused_moe_lora(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    max_num_tokens: int,
+    expert_map: torch.Tensor | None,
+    lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> list[int]:
+    """`warm_up_fused_moe` for the LoRA form (its gate_up GEMM without the fused activation is
+    another kernel variant), every token in slot 0 so that every kernel runs; `lora` is
+    (gate_up_a, gate_up_b, down_a, down_b). Nothing without the kernel, or for a shape warmed up
+    already; returns the batch sizes run."""
+    kernel = registered_kernel("fused_moe_lora", w13)
+    if kernel is None:
+        return []
+    key = (tuple(w13.shape), tuple(w2.shape), *(tuple(t.shape) for t in lora), w13.dtype, w13.device, top_k)
+    key += (max_num_tokens, expert_map is not None)
+    if key in _WARMED_UP:
+        return []
+    _WARMED_UP.add(key)
+    batches = warm_up_batches(w13, top_k, max_num_tokens, expert_map)
+    for hidden_states, topk_weights, topk_ids in batches:
+        slots = torch.zeros(hidden_states.shape[0], dtype=torch.int32, device=w13.device)
+        kernel(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, *lora, slots)
+    return [hidden_states.shape[0] for hidden_states, _, _ in batches]

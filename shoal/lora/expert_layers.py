@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from shoal.distributed.parallel_state import get_tp_group
-from shoal.kernels.fused_moe_lora import fused_moe_lora
+from shoal.kernels.fused_moe_lora import fused_moe_lora, warm_up_fused_moe_lora
 from shoal.layers.moe.experts import FusedMoE, UnquantizedMoEMethod
 from shoal.lora.layers import TokenSlots, check_shape
 
@@ -88,6 +88,16 @@ class LoRAFusedMoE:
             gate_up.lora_a, gate_up.lora_b, down.lora_a, down.lora_b, self.token_slots.slots[: hidden_states.shape[0]],
         )  # fmt: skip
         return get_tp_group().all_reduce(out) if base.reduce_results else out
+
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_num_tokens: int) -> None:
+        """The base experts' warm-up, then the LoRA form's (GPU; nothing on CPU)."""
+        super().warm_up_kernels(max_num_tokens)  # type: ignore[misc]
+        base: FusedMoE = self  # type: ignore[assignment]
+        w13: torch.Tensor = base.w13_weight  # type: ignore[assignment]
+        w2: torch.Tensor = base.w2_weight  # type: ignore[assignment]
+        lora = (self.gate_up_lora.lora_a, self.gate_up_lora.lora_b, self.down_lora.lora_a, self.down_lora.lora_b)
+        warm_up_fused_moe_lora(w13, w2, base.top_k, max_num_tokens, base.expert_map, lora)
 
 
 def add_expert_lora(

@@ -55,3 +55,14 @@ def test_triton_on_gpu_in_a_cuda_graph(shape: tuple, dtype: torch.dtype) -> None
     inputs["token_slots"].copy_(inputs["token_slots"].flip(0))  # the graph reads the slots it replays with
     graph.replay()
     torch.testing.assert_close(out.double(), formula(inputs).to("cuda"), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_warm_up_runs_every_launch_once_per_shape() -> None:
+    from shoal.kernels.fused_moe_lora import warm_up_fused_moe_lora
+
+    inputs = make_inputs(1, 8, 2, 1024, 512, num_slots=2, rank=16, dtype=torch.bfloat16, device="cuda")
+    lora = (inputs["gate_up_a"], inputs["gate_up_b"], inputs["down_a"], inputs["down_b"])
+    counts = warm_up_fused_moe_lora(inputs["w13"], inputs["w2"], 2, 512, None, lora)
+    assert counts and counts[-1] == 512
+    assert warm_up_fused_moe_lora(inputs["w13"], inputs["w2"], 2, 512, None, lora) == []  # compiled already
