@@ -18,12 +18,16 @@ target no experts, cost nothing extra in eager mode (`TokenSlots.experts_active`
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from shoal.distributed.parallel_state import get_tp_group
 from shoal.kernels.fused_moe_lora import fused_moe_lora, warm_up_fused_moe_lora
 from shoal.layers.moe.experts import FusedMoE, UnquantizedMoEMethod
 from shoal.lora.layers import TokenSlots, check_shape
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertSlots:
@@ -136,6 +140,12 @@ class ModelExperts:
                 self.holders += add_expert_lora(module, name, max_loras, max_lora_rank, token_slots, dtype)
             except ValueError as exc:
                 self.refused[name] = str(exc)
+        if self.holders:
+            num_bytes = sum(t.numel() * t.element_size() for h in self.holders for t in (h.lora_a, h.lora_b))
+            logger.info(
+                "LoRA on the routed experts of %d layers: %.2f GiB of slots (max_loras x experts x max_lora_rank)",
+                len(self.holders) // 2, num_bytes / 2**30,
+            )  # fmt: skip
 
     def check(self, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Refuse (ValueError) an adapter's experts' modules that no layer here can serve: on a
