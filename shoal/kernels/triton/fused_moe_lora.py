@@ -70,7 +70,7 @@ def triton_fused_moe_lora(
     device, dtype = hidden_states.device, hidden_states.dtype
     # Choices of another rank's experts are never written: their rows must read as zero.
     alloc = torch.empty if expert_map is None else torch.zeros
-    x_rows = hidden_states.repeat_interleave(top_k, dim=0)  # [num_entries, hidden]
+    x_rows = hidden_states[:, None].expand(-1, top_k, -1).reshape(num_entries, hidden)  # row per entry
     gate_up = alloc(num_entries, intermediate2, device=device, dtype=dtype)
     invoke_moe_gemm(x_rows, w13, gate_up, weights, routing, False, launch.block_size_m, launch.gate_up)
     h = triton_lora_shrink(x_rows, gate_up_a.flatten(0, 1), slots)  # [num_entries, R]
