@@ -20,7 +20,7 @@ Hugging Face's order of operations (so float32 matches it to the last bits or ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,24 @@ from shoal.kernels.dispatch import registered_kernel
 def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
     """The router's expert ids as this rank's expert rows (-1: an expert of another rank)."""
     return topk_ids if expert_map is None else expert_map[topk_ids.long()]
+
+
+def expert_entries(
+    topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each local expert that was chosen, in id order, with its entries (entry = token * top_k
+    + j of topk_ids [num_tokens, top_k]) in token order."""
+    ids = local_expert_ids(topk_ids, expert_map).flatten().long()  # [num_tokens * top_k]
+    on_rank = (ids >= 0) & (ids < num_local_experts)
+    entries = torch.nonzero(on_rank).flatten()
+    order = torch.argsort(ids[entries], stable=True)  # group the entries by expert
+    entries = entries[order]
+    counts = torch.bincount(ids[entries], minlength=num_local_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, entries[start : start + count]
+        start += count
 
 
 def fused_moe_ref(
@@ -48,21 +66,10 @@ def fused_moe_ref(
     `intermediate_quant` rounds each expert's silu(gate) * up as a quantized down projection's
     input is rounded (the block-fp8 reference, shoal/kernels/fused_moe_block_fp8.py)."""
     top_k = topk_ids.shape[1]
-    num_local_experts, intermediate2, _ = w13.shape
+    intermediate2 = w13.shape[1]
     out = torch.zeros_like(hidden_states)
-    ids = local_expert_ids(topk_ids, expert_map).flatten().long()  # [num_tokens * top_k], entry = token * top_k + j
-    on_rank = (ids >= 0) & (ids < num_local_experts)
-    entries = torch.nonzero(on_rank).flatten()
-    order = torch.argsort(ids[entries], stable=True)  # group the entries by expert
-    entries = entries[order]
-    counts = torch.bincount(ids[entries], minlength=num_local_experts).tolist()
     weights = topk_weights.flatten()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        chosen = entries[start : start + count]  # this expert's entries
-        start += count
+    for expert, chosen in expert_entries(topk_ids, expert_map, w13.shape[0]):
         tokens = chosen // top_k
         gate, up = F.linear(hidden_states[tokens], w13[expert]).split(intermediate2 // 2, dim=-1)
         activated = F.silu(gate) * up  # [count, intermediate]
@@ -102,22 +109,33 @@ def warm_up_fused_moe(
     kernel = registered_kernel("fused_moe", w13)
     if kernel is None:
         return []
-    from shoal.kernels.triton.fused_moe_config import device_name, dtype_name, launch_table, warm_up_token_counts
-
-    num_experts, intermediate2, hidden = w13.shape
     # Kernels compile per shape and dtype, not per layer: the model's other layers of this
     # shape have nothing left to compile.
     key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, w13.device, top_k, max_num_tokens, expert_map is not None)
     if key in _WARMED_UP:
         return []
     _WARMED_UP.add(key)
+    batches = warm_up_batches(w13, top_k, max_num_tokens, expert_map)
+    for hidden_states, topk_weights, topk_ids in batches:
+        kernel(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+    return [hidden_states.shape[0] for hidden_states, _, _ in batches]
+
+
+def warm_up_batches(
+    w13: torch.Tensor, top_k: int, max_num_tokens: int, expert_map: torch.Tensor | None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(hidden_states, topk_weights, topk_ids) of one batch per launch configuration that
+    batches of up to `max_num_tokens` tokens can pick (CUDA: the Triton launch tables)."""
+    from shoal.kernels.triton.fused_moe_config import device_name, dtype_name, launch_table, warm_up_token_counts
+
+    num_experts, intermediate2, hidden = w13.shape
     table = launch_table(num_experts, intermediate2 // 2, dtype_name(w13.dtype), device_name(w13.device))
     num_global_experts = num_experts if expert_map is None else expert_map.numel()
-    counts = warm_up_token_counts(table, max_num_tokens)
-    for num_tokens in counts:
+    batches = []
+    for num_tokens in warm_up_token_counts(table, max_num_tokens):
         hidden_states = torch.zeros(num_tokens, hidden, dtype=w13.dtype, device=w13.device)
         # Choices spread over every expert, so that every expert's blocks are in use.
         topk_ids = torch.arange(num_tokens * top_k, device=w13.device).remainder(num_global_experts)
         topk_weights = torch.ones(num_tokens, top_k, dtype=torch.float32, device=w13.device)
-        kernel(hidden_states, w13, w2, topk_weights, topk_ids.view(num_tokens, top_k), expert_map)
-    return counts
+        batches.append((hidden_states, topk_weights, topk_ids.view(num_tokens, top_k)))
+    return batches

@@ -37,8 +37,10 @@ class TokenSlots:
 
     slots: torch.Tensor  # [max_num_tokens] int32
     # Eager steps in which no token has an adapter skip the deltas (never under CUDA graphs,
-    # whose captured forwards must include them).
+    # whose captured forwards must include them); the MoE experts' deltas likewise in eager
+    # steps whose adapters have none (shoal/lora/expert_layers.py).
     active: bool = True
+    experts_active: bool = True
     # A long eager step's tokens grouped by slot (slot, its rows), for the grouped GEMMs, and
     # the step's token count they were made for (a forward of another size never uses them: a
     # CUDA-graph capture of a decode size after a long step does not).
@@ -109,8 +111,8 @@ class ColumnLoRALayer(LoRALayer):
             if name not in modules:
                 continue
             a, b = modules[name]
-            _check_shape(name, "lora_A", a, (a.shape[0], base.checkpoint_input_size()))
-            _check_shape(name, "lora_B", b, (base.checkpoint_output_size(shard_id), a.shape[0]))
+            check_shape(name, "lora_A", a, (a.shape[0], base.checkpoint_input_size()))
+            check_shape(name, "lora_B", b, (base.checkpoint_output_size(shard_id), a.shape[0]))
             first_row, rank_row, num_rows = base.output_shard(shard_id)
             column = i * self.lora_rank
             lora_a[column : column + a.shape[0]] = a
@@ -162,8 +164,8 @@ class RowLoRALayer(LoRALayer):
         lora_b = torch.zeros(base.output_size, self.lora_rank)
         if name in modules:
             a, b = modules[name]
-            _check_shape(name, "lora_A", a, (a.shape[0], base.checkpoint_input_size()))
-            _check_shape(name, "lora_B", b, (base.output_size, a.shape[0]))
+            check_shape(name, "lora_A", a, (a.shape[0], base.checkpoint_input_size()))
+            check_shape(name, "lora_B", b, (base.output_size, a.shape[0]))
             first_column, num_columns = base.input_shard()
             lora_a[: a.shape[0]] = a[:, first_column : first_column + num_columns]
             lora_b[:, : a.shape[0]] = b
@@ -205,7 +207,7 @@ def add_lora(
     return lora
 
 
-def _check_shape(module: str, what: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(module: str, what: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(
             f"{module}.{what} has shape {list(tensor.shape)}, but the base model's layer needs {list(expected)}"

@@ -5,8 +5,10 @@ Each target module `model.layers.{L}.{self_attn|mlp}.{q,k,v,o,gate,up,down}_proj
 `lora_A.weight` [r, in] and `lora_B.weight` [out, r]; its delta is `scaling * B A x` with
 `scaling = lora_alpha / r` (`/ sqrt(r)` under `use_rslora`), folded into B here so that the
 kernels only multiply. `rank_pattern` and `alpha_pattern` give a module its own rank and alpha.
+The MoE experts' stacked parameters (`target_parameters`) are read by shoal/lora/peft_experts.py.
 What shoal does not build is refused with a ValueError that names it: `modules_to_save`,
-embedding adapters, DoRA, LoRA biases, modules outside the attention and MLP projections.
+embedding adapters, DoRA, LoRA biases, modules outside the attention and MLP projections and
+the experts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from shoal.lora.peft_experts import (
+    EXPERT_PARAMETERS,
+    check_expert_pair,
+    expert_module_name,
+    is_expert_module,
+    refuse_per_expert_module,
+    split_experts,
+    targeted_expert_parameters,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -58,8 +70,10 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
     _refuse(bool(config.get("use_dora")), folder, "DoRA (use_dora) is not supported")
     lora_bias = config.get("bias", "none") != "none" or bool(config.get("lora_bias"))
     _refuse(lora_bias, folder, "LoRA biases (bias / lora_bias) are not supported")
-    experts = config.get("target_parameters")
-    _refuse(bool(experts), folder, f"LoRA on MoE experts (target_parameters {experts}) is not supported yet")
+    try:
+        targeted_expert_parameters(config)
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter at {str(folder)!r}: {exc}") from None
     targets = config.get("target_modules")
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(TARGET_MODULES))
@@ -86,39 +100,75 @@ def load_adapter(name: str, path: str | Path, max_lora_rank: int, num_layers: in
         pairs.setdefault(match.group(1), {})[match.group(2)] = tensor.float()
     adapter = LoRAAdapter(name, str(folder), rank=0)
     for module, pair in sorted(pairs.items()):
-        _check_module(folder, module, num_layers)
         _refuse(set(pair) != {"lora_A", "lora_B"}, folder, f"module {module!r} lacks its lora_A or lora_B")
-        lora_a, lora_b = pair["lora_A"], pair["lora_B"]
-        rank = lora_a.shape[0]
-        _refuse(lora_b.shape[1] != rank, folder, f"module {module!r}: lora_A has rank {rank}, lora_B {lora_b.shape[1]}")
+        try:
+            module, lora_a, lora_b, rank = _read_module(module, pair, config, num_layers)
+        except ValueError as exc:
+            raise ValueError(f"LoRA adapter at {str(folder)!r}: {exc}") from None
         _refuse(rank > max_lora_rank, folder, f"module {module!r} has rank {rank}, over max_lora_rank={max_lora_rank}")
-        adapter.modules[module] = (lora_a, lora_b * _scaling(config, module, rank))
+        adapter.modules[module] = (lora_a, lora_b)
         adapter.rank = max(adapter.rank, rank)
     _refuse(not adapter.modules, folder, "it holds no LoRA weights")
+    check_expert_pair(folder, adapter.modules)
     return adapter
 
 
-def _check_module(folder: Path, module: str, num_layers: int) -> None:
+def _read_module(
+    module: str, pair: dict[str, torch.Tensor], config: dict, num_layers: int
+) -> tuple[str, torch.Tensor, torch.Tensor, int]:
+    """(shoal's module name, A, B with the scaling folded in, rank) of one PEFT module: a
+    projection's A [r, in] and B [out, r], or the MoE experts' stacked A [E, r, in] and
+    B [E, out, r] (shoal/lora/peft_experts.py); raises ValueError."""
+    lora_a, lora_b = pair["lora_A"], pair["lora_B"]
+    if is_expert_module(module):
+        module = expert_module_name(module, config)
+        _check_layer(module, int(module.split(".")[2]), num_layers)
+        rank = _rank(config, module)
+        lora_a, lora_b = split_experts(module, lora_a, lora_b, rank)
+        return module, lora_a, lora_b * _scaling(config, module, rank), rank
+    _check_module(module, num_layers)
+    rank = lora_a.shape[0]
+    if lora_b.shape[1] != rank:
+        raise ValueError(f"module {module!r}: lora_A has rank {rank}, lora_B {lora_b.shape[1]}")
+    return module, lora_a, lora_b * _scaling(config, module, rank), rank
+
+
+def _check_module(module: str, num_layers: int) -> None:
+    """A projection's PEFT module name must be one shoal adapts (raises ValueError)."""
     match = _MODULE.match(module)
     if "embed" in module or "lm_head" in module:
-        raise ValueError(f"LoRA adapter at {str(folder)!r}: embedding / LM-head adapters ({module}) are not supported")
-    _refuse(
-        match is None or match.group(3) not in TARGET_MODULES,
-        folder,
-        f"unknown target module {module!r}; shoal adapts {list(TARGET_MODULES)} of the decoder layers",
-    )
-    assert match is not None
-    layer = int(match.group(1))
-    _refuse(layer >= num_layers, folder, f"module {module!r}: the model has {num_layers} layers")
+        raise ValueError(f"embedding / LM-head adapters ({module}) are not supported")
+    refuse_per_expert_module(module)
+    if match is None or match.group(3) not in TARGET_MODULES:
+        raise ValueError(
+            f"unknown target module {module!r}; shoal adapts {list(TARGET_MODULES)} of the decoder layers "
+            f"and the MoE experts' {list(EXPERT_PARAMETERS)} (target_parameters)"
+        )
+    _check_layer(module, int(match.group(1)), num_layers)
+
+
+def _check_layer(module: str, layer: int, num_layers: int) -> None:
+    if layer >= num_layers:
+        raise ValueError(f"module {module!r}: the model has {num_layers} layers")
+
+
+def _pattern_value(config: dict, key: str, module: str, default: float) -> float:
+    """A module's value in `rank_pattern` or `alpha_pattern` (matched on the name's end)."""
+    for pattern, value in (config.get(key) or {}).items():
+        if module == pattern or module.endswith("." + pattern):
+            default = value
+    return float(default)
+
+
+def _rank(config: dict, module: str) -> int:
+    """A module's rank where its tensors do not say it (the experts': r times E rows)."""
+    return int(_pattern_value(config, "rank_pattern", module, int(config.get("r", 8))))
 
 
 def _scaling(config: dict, module: str, rank: int) -> float:
     """PEFT's scaling of one module: its alpha (alpha_pattern's, matched on the name's end)
     over its rank, or over the rank's square root with rsLoRA."""
-    alpha = float(config.get("lora_alpha", 8))
-    for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if module == pattern or module.endswith("." + pattern):
-            alpha = float(value)
+    alpha = _pattern_value(config, "alpha_pattern", module, float(config.get("lora_alpha", 8)))
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
@@ -140,9 +190,9 @@ def modules_from_tensors(
         pairs.setdefault(match.group(1), {})[match.group(2)] = tensor.detach().float().cpu()
     modules = {}
     for module, pair in pairs.items():
-        _check_module(Path("<tensors>"), module, num_layers)
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"module {module!r} needs both its lora_A and lora_B in one update")
-        rank = pair["lora_A"].shape[0]
-        modules[module] = (pair["lora_A"], pair["lora_B"] * _scaling(config, module, rank))
+        name, lora_a, lora_b, _ = _read_module(module, pair, config, num_layers)
+        modules[name] = (lora_a, lora_b)
+    check_expert_pair(Path("<tensors>"), modules)
     return modules

@@ -19,6 +19,7 @@ import torch
 
 from shoal.config import LoRAConfig
 from shoal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shoal.lora.expert_layers import ExpertSlots, ModelExperts
 from shoal.lora.layers import LoRALayer, TokenSlots, add_lora
 from shoal.lora.peft_checkpoint import LoRAAdapter, load_adapter, modules_from_tensors, read_adapter_config
 from shoal.step import SchedulerOutput
@@ -54,7 +55,14 @@ class LoRASlots:
         # Steps of more tokens than this (never a CUDA graph's) group their tokens by slot.
         self.grouped_min_tokens = grouped_min_tokens
         self.token_slots.active = not skip_idle_steps
-        self.layers = wrap_layers(model, lora_config, self.token_slots, dtype)
+        self.token_slots.experts_active = not skip_idle_steps
+        self.layers: list[LoRALayer | ExpertSlots] = [*wrap_layers(model, lora_config, self.token_slots, dtype)]
+        lora_dtype = dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
+        self.experts = ModelExperts(
+            model, lora_config.max_loras, lora_config.max_lora_rank, self.token_slots, lora_dtype
+        )
+        self.layers += self.experts.holders
+        self.slot_has_experts = [False] * lora_config.max_loras
         self.registered: dict[str, Registered] = {}
         self.cpu_cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
         # Adapters whose weights were replaced in place (RL): the disk no longer has them.
@@ -120,7 +128,7 @@ class LoRASlots:
     def _replace_modules(self, name: str, modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         adapter = self._adapter(name)
         updated = LoRAAdapter(name, adapter.path, adapter.rank, {**adapter.modules, **modules})
-        updated.rank = max(a.shape[0] for a, _ in updated.modules.values())
+        updated.rank = max(a.shape[-2] for a, _ in updated.modules.values())  # A [r, in] or the experts' [E, r, in]
         if updated.rank > self.config.max_lora_rank:
             raise ValueError(
                 f"LoRA adapter {name!r}: rank {updated.rank} is over max_lora_rank={self.config.max_lora_rank}"
@@ -157,6 +165,8 @@ class LoRASlots:
             buffer[num_tokens : self._num_tokens_set].fill_(-1)
         self._num_tokens_set = num_tokens
         self.token_slots.active = bool(wanted) or not self.skip_idle_steps
+        experts = any(self.slot_has_experts[slot] for slot in slot_of.values())
+        self.token_slots.experts_active = experts or not self.skip_idle_steps
         self._group_tokens(token_slots, slot_of.values())
 
     def _staged(self, token_slots: np.ndarray) -> torch.Tensor:
@@ -230,10 +240,11 @@ class LoRASlots:
         stage holds are left to it). The adapter keeps what each layer's slot takes, in the
         slots' dtype (pinned on a GPU machine), so that a slot is filled by plain copies that
         do not hold the host up."""
+        self.experts.check(adapter.modules)
         pin = self.token_slots.slots.device.type == "cuda"
         slot_form = []
         for layer in self.layers:
-            lora_a, lora_b = layer.slot_tensors(adapter.modules)  # type: ignore[attr-defined]
+            lora_a, lora_b = layer.slot_tensors(adapter.modules)  # type: ignore[union-attr]
             lora_a, lora_b = lora_a.to(layer.lora_a.dtype), lora_b.to(layer.lora_b.dtype)
             slot_form.append((lora_a.pin_memory(), lora_b.pin_memory()) if pin else (lora_a, lora_b))
         adapter.slot_form = slot_form
@@ -241,6 +252,7 @@ class LoRASlots:
     def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         if adapter is not None and adapter.slot_form is None:
             self._check_fits(adapter)
+        self.slot_has_experts[slot] = adapter is not None and ModelExperts.has_experts(adapter.modules)
         for i, layer in enumerate(self.layers):
             if adapter is None:
                 layer.lora_a[slot].zero_()
@@ -255,7 +267,8 @@ class LoRASlots:
 def wrap_layers(
     model: torch.nn.Module, lora_config: LoRAConfig, token_slots: TokenSlots, dtype: torch.dtype
 ) -> list[LoRALayer]:
-    """Wrap the model's attention and MLP projections (shoal/lora/layers.py)."""
+    """Wrap the model's attention and MLP projections (shoal/lora/layers.py); the routed
+    experts are `ModelExperts`' (shoal/lora/expert_layers.py)."""
     lora_dtype = dtype if lora_config.lora_dtype == "auto" else getattr(torch, lora_config.lora_dtype)
     layers = []
     for name, module in list(model.named_modules()):

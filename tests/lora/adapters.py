@@ -12,6 +12,9 @@ from pathlib import Path
 import torch
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# transformers 5's stacked MoE experts (Qwen3-MoE, Mixtral), targeted as parameters.
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def make_adapter(
@@ -23,7 +26,10 @@ def make_adapter(
     target_modules: list[str] | None = None,
     seed: int = 0,
     scale: float = 4.0,
+    target_parameters: list[str] | None = None,
 ) -> Path:
+    """`target_parameters` adds LoRA on stacked parameters (the MoE experts'); with it an empty
+    `target_modules` adapts those alone."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -33,7 +39,8 @@ def make_adapter(
         r=r,
         lora_alpha=lora_alpha,
         use_rslora=use_rslora,
-        target_modules=target_modules or ALL_PROJECTIONS,
+        target_modules=(target_modules or ALL_PROJECTIONS) if target_modules != [] else None,
+        target_parameters=target_parameters,
         init_lora_weights=False,
         lora_dropout=0.0,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from shoal import LLM, LoRARequest, SamplingParams
 from tests.hf_reference import hf_greedy
@@ -174,13 +175,28 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(
         t[key.replace("q_proj", "rotary_proj")] = t[key].clone()
         t[key.replace("q_proj", "rotary_proj").replace("lora_A", "lora_B")] = t[key].T.contiguous()
 
+    def experts_on_a_dense_model(t):
+        t["base_model.model.model.layers.0.mlp.experts.lora_A.weight"] = torch.zeros(8 * 4, 64)
+        t["base_model.model.model.layers.0.mlp.experts.lora_B.weight"] = torch.zeros(64, 8 * 4)
+
     cases = {
         "missing": (str(tmp_path / "nowhere"), "has no adapter_config.json"),
         "no_weights": (broken("no_weights"), None),
         "rank": (broken("rank", lambda c: c.update(r=128)), "over max_lora_rank=64"),
         "modules_to_save": (broken("mts", lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
         "target": (broken("target", lambda c: c.update(target_modules=["q_proj", "rotary_proj"])), "unknown target"),
-        "experts": (broken("experts", lambda c: c.update(target_parameters=["gate_up_proj"])), "MoE experts"),
+        "experts": (
+            broken("experts", lambda c: c.update(target_parameters=["mlp.gate.weight"])),
+            "unknown target param",
+        ),
+        "dense_experts": (
+            broken(
+                "dense_experts",
+                lambda c: c.update(target_parameters=["mlp.experts.down_proj"]),
+                experts_on_a_dense_model,
+            ),
+            "the model has no routed experts",
+        ),
         "shape": (
             broken("shape", edit_weights=wrong_shape),
             r"q_proj.lora_B has shape \[62, 8\], but the base model.s layer needs \[64, 8\]",

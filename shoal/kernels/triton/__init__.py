@@ -43,6 +43,7 @@ def register_triton_kernels() -> bool:
     from shoal.kernels.triton.batch_invariant import triton_bi_matmul, triton_bi_paged_attention, triton_bi_rms_norm
     from shoal.kernels.triton.fused_moe import triton_fused_moe
     from shoal.kernels.triton.fused_moe_block_fp8 import triton_fused_moe_block_fp8
+    from shoal.kernels.triton.fused_moe_lora import triton_fused_moe_lora
     from shoal.kernels.triton.gemv import triton_gemv
     from shoal.kernels.triton.lora import triton_lora_expand, triton_lora_shrink
     from shoal.kernels.triton.mla_decode import triton_concat_and_cache_mla, triton_mla_decode
@@ -66,6 +67,7 @@ def register_triton_kernels() -> bool:
     register_kernel("fused_moe_block_fp8", triton_fused_moe_block_fp8)
     register_kernel("lora_shrink", triton_lora_shrink)
     register_kernel("lora_expand", triton_lora_expand)
+    register_kernel("fused_moe_lora", triton_fused_moe_lora)
     register_kernel("bi_matmul", triton_bi_matmul)
     register_kernel("bi_rms_norm", triton_bi_rms_norm)
     register_kernel("bi_paged_attention", triton_bi_paged_attention)
