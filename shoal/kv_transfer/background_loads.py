@@ -63,8 +63,10 @@ class BackgroundLoads:
         gate = CopyGate()
         with self._changed:
             self._gates[load_id] = gate
-        # On GPU: what the compute stream has queued so far comes before the copy.
-        queued = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        queued = None
+        if self.device.type == "cuda":  # what the compute stream has queued so far comes before the copy
+            queued = torch.cuda.Event()
+            queued.record(torch.cuda.current_stream(self.device))
         threading.Thread(
             target=self._run,
             args=(load_id, (transfer_id, first_block, block_ids, timeout_s, gate), queued),
@@ -72,7 +74,7 @@ class BackgroundLoads:
             daemon=True,
         ).start()
 
-    def _run(self, load_id: int, args: tuple, queued: torch.cuda.Stream | None) -> None:
+    def _run(self, load_id: int, args: tuple, queued: torch.cuda.Event | None) -> None:
         start = time.perf_counter()
         error = None
         try:
@@ -86,13 +88,13 @@ class BackgroundLoads:
                 self._changed.notify_all()
 
     @contextlib.contextmanager
-    def _side_stream(self, queued: torch.cuda.Stream | None) -> Iterator[None]:
+    def _side_stream(self, queued: torch.cuda.Event | None) -> Iterator[None]:
         if queued is None:
             yield
             return
         torch.cuda.set_device(self.device)
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(queued)
+        stream.wait_event(queued)
         with torch.cuda.stream(stream):
             yield
 

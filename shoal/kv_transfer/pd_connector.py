@@ -143,7 +143,7 @@ class PDConnector:
         loads past their deadline."""
         if not self._loading:
             return
-        per_rank = self.executor.collective_rpc("ended_kv_loads", (wait_s,), timeout=wait_s + _RPC_MARGIN_S)
+        per_rank = self._ask_workers("ended_kv_loads", (wait_s,), wait_s + _RPC_MARGIN_S) or []
         for ended in per_rank:
             for load_id, seconds, error in ended:
                 load = self._loading.get(load_id)
@@ -178,7 +178,18 @@ class PDConnector:
         self.scheduler.end_kv_load(load.request, f"{KV_TRANSFER_FAILED}: {error}")
 
     def _cancel_on_workers(self, load_ids: list[int]) -> None:
-        self.executor.collective_rpc("cancel_kv_loads", (load_ids,), timeout=_RPC_MARGIN_S)
+        self._ask_workers("cancel_kv_loads", (load_ids,), _RPC_MARGIN_S)
+
+    def _ask_workers(self, method: str, args: tuple, timeout_s: float) -> list[Any] | None:
+        """A call to every worker; None if one failed it (the loads' deadlines still bound every
+        request: a worker's failure is not the engine's)."""
+        try:
+            return self.executor.collective_rpc(method, args, timeout=timeout_s)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            logger.warning("KV loads: %s failed on a worker: %s", method, exc)
+            return None
 
     def flush_block_copies(self, copies: KVBlockCopies | None) -> KVBlockCopies | None:
         """Before loads start: the host tier's copies of the step (offloads of the blocks the
