@@ -146,3 +146,18 @@ def test_a_sleep_or_a_worker_restart_preempts_parked_requests_to_recompute() -> 
     while scheduler.requests:
         step(scheduler)
     assert_all_free(scheduler, 32)
+
+
+def test_a_parked_requests_adapter_holds_its_slot() -> None:
+    """It starts without asking for an adapter slot again, so no other adapter may take it."""
+    scheduler = make_scheduler(num_blocks=32, block_size=4)
+    scheduler.max_loras = 1
+    LoadsInTheBackground(scheduler, remote={"a"})
+    a, b = make_request("a", 6), make_request("b", 6)
+    a.lora_name, b.lora_name = "sql", "chat"
+    add(scheduler, a, b)
+    sched_out, _ = step(scheduler)
+    assert sched_out.num_scheduled_tokens == {} and scheduler.running_adapters() == {"sql"}
+    scheduler.end_kv_load(a, None)
+    sched_out, _ = step(scheduler)
+    assert sched_out.num_scheduled_tokens == {"a": 1}  # "chat" waits for "sql" to end
