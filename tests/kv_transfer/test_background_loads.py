@@ -10,6 +10,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 
 from shoal.kv_transfer.background_loads import BackgroundLoads, CopyGate
@@ -22,7 +23,7 @@ def _loads(transport: SharedMemoryTransport, target: list[torch.Tensor]) -> Back
     def load(transfer_id: str, first_block: int, block_ids: list[int], timeout_s: float, gate: CopyGate) -> None:
         load_blocks(transport, transfer_id, LAYOUT, target, first_block, block_ids, timeout_s, gate)
 
-    return BackgroundLoads(load, torch.device("cpu"))
+    return BackgroundLoads(load, target[0].device)
 
 
 def _wait_for(loads: BackgroundLoads, num: int, timeout_s: float = 5.0) -> list:
@@ -83,3 +84,22 @@ def test_closing_the_gate_waits_for_a_copy_under_way() -> None:
     assert copied == [True]  # close returned only once the copy was over
     with gate.open() as may_copy:
         assert not may_copy
+
+
+@pytest.mark.gpu
+def test_a_load_into_a_device_cache_copies_on_a_side_stream_after_the_queued_work(tmp_path: Path) -> None:
+    """The copy waits for what the compute stream had queued when the load started (here: a
+    write into the same block, which the loaded KV must overwrite)."""
+    transport = SharedMemoryTransport(str(tmp_path))
+    source, target = _caches(4), _caches(4, "cuda")
+    loads = _loads(transport, target)
+    torch.cuda.set_device(0)
+    torch.cuda._sleep(50_000_000)  # (tens of ms of queued work on the compute stream)
+    for cache in target:
+        cache[:, 2].fill_(7.0)
+    save_blocks(transport, "on-gpu", LAYOUT, source, [1])
+    loads.start(1, "on-gpu", first_block=0, block_ids=[2], timeout_s=5.0)
+    [(load_id, _, error)] = _wait_for(loads, 1)
+    assert (load_id, error) == (1, None)
+    for src, dst in zip(source, target, strict=True):
+        assert torch.equal(dst[:, 2].cpu(), src[:, 1])
