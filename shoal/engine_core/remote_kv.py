@@ -71,8 +71,8 @@ class RemoteKVLoads:
     def _park_for_kv(
         self, request: Request, hit_blocks: list[KVCacheBlock], num_hit_tokens: int, num_loaded_tokens: int
     ) -> bool:
-        """Allocate a waiting request's blocks, start its load, and park it until the load
-        ends; False (nothing changed) when its blocks do not fit."""
+        """Allocate a waiting request's blocks, hand its load to the connector, and park it until the
+        load ends; False (nothing changed) when its blocks do not fit."""
         assert self.kv_connector is not None
         num_slots = request.num_tokens - num_hit_tokens + self.num_lookahead_slots
         manager = self.kv_cache_manager

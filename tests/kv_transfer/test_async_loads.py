@@ -90,7 +90,7 @@ def test_abort_while_the_load_is_in_flight_cancels_it_and_frees_its_blocks(engin
     num_free_at_start = engine.scheduler.kv_cache_manager.num_free_blocks
     _add(engine, "a")
     _step(engine)
-    _add(engine, "gone", timeout_s=30.0)
+    _add(engine, "gone", timeout_s=10.0)
     for _ in range(3):
         _step(engine)
     stats = engine.get_stats()
