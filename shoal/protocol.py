@@ -62,7 +62,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0  # computed this step
     num_generation_tokens: int = 0  # sampled this step
     # Kept out of the waiting queue until something other than room is ready: in shoal, a
-    # structured-output request whose grammar is being compiled.
+    # structured-output request whose grammar is being compiled, or a request parked while its
+    # KV is loaded from a prefill engine.
     num_deferred_reqs: int = 0
     # LoRA (vLLM's lora_requests_info): the adapters of the running and the waiting requests.
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)

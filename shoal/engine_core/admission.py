@@ -56,6 +56,12 @@ class AdmissionControl:
 
     def _preempt(self, request: Request) -> None: ...
 
+    if TYPE_CHECKING:  # (RemoteKVLoads's, after this class in the scheduler's bases)
+
+        def _parked_requests(self) -> list[Request]: ...
+
+        def _unpark(self, request: Request, workers_alive: bool = True) -> None: ...
+
     def _init_admission(self) -> None:
         # The version of the weights that steps scheduled from now on run with: "0" at start,
         # advanced by every weight update (see `advance_weight_version`).
@@ -85,9 +91,12 @@ class AdmissionControl:
         return any(not request.num_steps_in_flight for request in self.requests.values())
 
     def has_started_requests(self) -> bool:
-        """Whether a request that has started generating is unfinished: running, or preempted
-        (preempted requests wait at the front of the queue)."""
-        return bool(self.running) or bool(self.waiting and self.waiting[0].status == RequestStatus.PREEMPTED)
+        """Whether a request that has started generating is unfinished: running, parked while
+        its KV loads (remote_kv.py), or preempted (preempted requests wait at the front of the
+        queue)."""
+        if self.running or self._parked_requests():
+            return True
+        return bool(self.waiting and self.waiting[0].status == RequestStatus.PREEMPTED)
 
     # ---- weight versions ----------------------------------------------------------------------
 
@@ -152,11 +161,16 @@ class AdmissionControl:
         self.sleeping = False
         self._update_admission()
 
-    def preempt_all_running(self) -> None:
+    def preempt_all_running(self, workers_alive: bool = True) -> None:
         """Every running request gives up its KV blocks and waits, in its order, at the front
-        of the queue, to be recomputed with its tokens so far."""
+        of the queue, to be recomputed with its tokens so far; so does every request parked
+        while its KV loads, after them (its load cancelled, unless the workers lost their state
+        anyway: `workers_alive=False`)."""
         if any(request.num_steps_in_flight for request in self.running):
             raise RuntimeError("requests still in flight cannot give up their blocks: land their steps first")
+        for request in reversed(self._parked_requests()):
+            self._unpark(request, workers_alive)
+            self._preempt(request)
         for request in reversed(self.running):
             self._preempt(request)
         self.running = []
@@ -189,7 +203,7 @@ class AdmissionControl:
                 request.num_steps_in_flight -= 1
         self._scheduled.clear()
         num_requeued = len(self.running)
-        self.preempt_all_running()  # (which drops their placeholders too)
+        self.preempt_all_running(workers_alive=False)  # (which drops their placeholders too)
         # No worker knows any request now; there is nothing to tell them about finished ones.
         self._finished_req_ids.clear()
         self.kv_cache_manager.reset_prefix_cache()

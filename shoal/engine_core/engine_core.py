@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # How long an engine with nothing to run but grammars being compiled waits for one.
 _GRAMMAR_POLL_S = 0.005
+# How long an engine with nothing to run but KV being loaded waits for a load to end.
+_KV_LOAD_POLL_S = 0.005
 
 
 @dataclass
@@ -82,7 +84,7 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         )
         # The host-memory tier under the prefix cache (--kv-offload-bytes), the scheduler's connector.
         self.host_tier = start_host_tier(config, self.executor, self.scheduler)
-        # Prefill/decode disaggregation (kv_transfer_role): saves after prefills, loads before decodes.
+        # Prefill/decode disaggregation (kv_transfer_role): saves after prefills, loads in the background.
         self.kv_transfer = start_kv_transfer(config, self.executor, self.scheduler, inner=self.host_tier)
         # A launched step whose bitmask follows it and is still owed to the workers (async
         # scheduling: it is filled once the step before it has landed).
@@ -203,14 +205,18 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's next step, with the host tier's block copies it must make first;
-        transferred KV it reads is loaded before it runs."""
+        """The scheduler's next step, with the host tier's block copies it must make first.
+        Transferred KV loads in the background: the loads that ended make their requests
+        schedulable first, and the loads of the requests this step parked start after it."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll_loads()
         scheduler_output = self.scheduler.schedule()
         copies = self.host_tier.take_block_copies() if self.host_tier is not None else None
+        if self.kv_transfer is not None:
+            copies = self.kv_transfer.flush_block_copies(copies)
+            self.kv_transfer.start_loads()
         if copies is not None:
             scheduler_output = msgspec.structs.replace(scheduler_output, kv_block_copies=copies)
-        if self.kv_transfer is not None:
-            self.kv_transfer.run_loads()
         return scheduler_output
 
     def _apply_output(self, scheduler_output: SchedulerOutput, model_output: Any) -> EngineCoreOutputs:
@@ -278,10 +284,12 @@ class EngineCore(GenerationControl, WeightUpdateControl, LoRAControl):
 
     def _idle_outputs(self, wait: bool = True) -> EngineCoreOutputs:
         """What a step that applied no output reports: the scheduler's statistics, and any
-        request finished outside a step. With nothing to run but grammars being compiled, it
-        waits a little for them rather than spinning."""
+        request finished outside a step. With nothing to run but grammars being compiled or KV
+        being loaded, it waits a little for them rather than spinning."""
         if wait and self.structured_output.compiling:
             self.structured_output.wait_for_any(self.structured_output.compiling, _GRAMMAR_POLL_S)
+        elif wait and self.kv_transfer is not None and self.kv_transfer.num_loading:
+            self.kv_transfer.poll_loads(wait_s=_KV_LOAD_POLL_S)
         return EngineCoreOutputs(
             outputs=self.scheduler.take_outputs_outside_steps(),
             scheduler_stats=self.scheduler.make_stats(),

@@ -92,16 +92,20 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        cache_up_to: int | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens of the request, after taking the prefix
         hit `new_computed_blocks`; returns the newly allocated blocks, or None if they do not
-        fit (then nothing changed)."""
+        fit (then nothing changed). Blocks full once the tokens are computed join the prefix
+        cache; with `cache_up_to`, only those within its first `cache_up_to` tokens (KV still to
+        be loaded into the others: a later allocation registers them)."""
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_tokens_to_cache = num_tokens_after if cache_up_to is None else cache_up_to
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks and not new_computed_blocks and num_tokens_after <= len(blocks) * self.block_size:
             # Most decode steps: the new token fits in the last block.
             if self.enable_caching:
-                self._cache_full_blocks(request, blocks, num_tokens_after)
+                self._cache_full_blocks(request, blocks, num_tokens_to_cache)
             return []
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
@@ -122,7 +126,7 @@ class KVCacheManager:
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += num_new_computed_tokens
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_tokens_after)
+            self._cache_full_blocks(request, blocks, num_tokens_to_cache)
         return new_blocks
 
     def free(self, request: Request) -> None:

@@ -9,7 +9,7 @@ otherwise it waits and the next waiting request that fits goes first.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.engine_core.request import Request
 
@@ -18,6 +18,10 @@ class LoRAAdmission:
     max_loras: int | None  # None: no adapters
     running: list[Request]
     waiting: deque[Request]
+
+    if TYPE_CHECKING:  # (RemoteKVLoads's, after this class in the scheduler's bases)
+
+        def _parked_requests(self) -> list[Request]: ...
 
     def _next_waiting(self) -> Request | None:
         """The first waiting request that may join the running ones (None: none may)."""
@@ -30,7 +34,9 @@ class LoRAAdmission:
         return None
 
     def running_adapters(self) -> set[str]:
-        return {r.lora_name for r in self.running if r.lora_name is not None}
+        """The running requests' adapters, and those of the requests parked while their KV
+        loads (remote_kv.py): they start without asking again."""
+        return {r.lora_name for r in [*self.running, *self._parked_requests()] if r.lora_name is not None}
 
     def lora_stats(self) -> dict[str, Any]:
         """vLLM's `lora_requests_info`: the adapters running and waiting, and max_loras."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_GRAMMAR = enum.auto()  # kept by the structured-output manager until it compiles
+    WAITING_FOR_KV = enum.auto()  # parked, its blocks allocated, until its KV is loaded (remote_kv.py)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.

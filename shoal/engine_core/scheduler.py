@@ -32,6 +32,7 @@ from shoal.engine_core.admission import Admission, AdmissionControl
 from shoal.engine_core.block_pool import KVCacheBlock
 from shoal.engine_core.kv_cache_manager import KVCacheManager
 from shoal.engine_core.lora_admission import LoRAAdmission
+from shoal.engine_core.remote_kv import RemoteKVLoads
 from shoal.engine_core.request import Request, RequestStatus
 from shoal.engine_core.scheduled_step import ScheduledStep
 from shoal.engine_core.speculation import SpeculativeConfig, SpeculativeScheduling
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(AdmissionControl, SpeculativeScheduling, LoRAAdmission):
+class Scheduler(AdmissionControl, SpeculativeScheduling, LoRAAdmission, RemoteKVLoads):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -84,6 +85,7 @@ class Scheduler(AdmissionControl, SpeculativeScheduling, LoRAAdmission):
         # Outputs of requests finished outside a step (a grammar that failed to compile).
         self._outputs_outside_steps: list[EngineCoreOutput] = []
         self.kv_connector = kv_connector  # KV transfer: None, nothing arrives from elsewhere
+        self._init_remote_kv()  # requests parked while their KV loads (remote_kv.py)
         self._init_speculation(speculative_config)  # drafts a step carries (speculation.py)
 
     # ---- requests in and out ----------------------------------------------------------------
@@ -109,6 +111,8 @@ class Scheduler(AdmissionControl, SpeculativeScheduling, LoRAAdmission):
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_KV:
+                self._unpark(request)  # (its load cancelled before its blocks are freed)
             elif request.status != RequestStatus.WAITING_FOR_GRAMMAR:  # (the manager forgets those)
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ABORTED
@@ -177,44 +181,52 @@ class Scheduler(AdmissionControl, SpeculativeScheduling, LoRAAdmission):
         return self.num_preemptions > num_preemptions_before
 
     def _schedule_waiting(self, step: ScheduledStep, started_only: bool = False) -> None:
-        """Waiting requests in arrival order, each starting after its prefix-cache hit, while
-        the budget, the blocks and max_num_seqs allow; with `started_only`, only the preempted
-        ones (they wait at the front)."""
-        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+        """Requests whose KV was loaded first, then waiting requests in arrival order, each
+        starting after its prefix-cache hit, while the budget, the blocks and max_num_seqs
+        allow; with `started_only`, only the preempted ones (they wait at the front)."""
+        self._schedule_loaded(step)
+        while self.waiting and step.budget > 0 and len(self.running) + self.num_parked < self.max_num_seqs:
             request = self._next_waiting()  # the head, unless its adapter must wait (max_loras)
             if request is None or (started_only and request.status != RequestStatus.PREEMPTED):
                 break
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             # KV transfer: tokens after the hit whose KV can be loaded rather than computed.
             num_loaded_tokens = tokens_to_load(self.kv_connector, request, num_hit_tokens) if self.kv_connector else 0
+            if num_loaded_tokens and self._loads_in_background(request):
+                if self._park_for_kv(request, hit_blocks, num_hit_tokens, num_loaded_tokens):
+                    continue  # parked: it starts once its KV is in (remote_kv.py)
+                break
             num_computed_tokens = num_hit_tokens + num_loaded_tokens
             num_new_tokens = min(request.num_tokens - num_computed_tokens, step.budget)
             num_slots = num_loaded_tokens + num_new_tokens + self.num_lookahead_slots
             if self.kv_cache_manager.allocate_slots(request, num_slots, hit_blocks, num_hit_tokens) is None:
                 break
             self.waiting.remove(request)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed_tokens
-                request.first_scheduled_time = time.time()
-            request.num_output_tokens_sent = request.num_output_tokens
-            new_req = NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                sampling_params=request.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                num_computed_tokens=num_computed_tokens,
-                eos_token_id=request.eos_token_id,
-                lora_name=request.lora_name,
-            )
-            if num_loaded_tokens:
-                assert self.kv_connector is not None
-                self.kv_connector.load_into(request, new_req.block_ids, num_hit_tokens, num_loaded_tokens)
-            step.new_reqs.append(new_req)
-            self._add_to_step(step, request, num_new_tokens)
+            self._start(step, request, num_computed_tokens, num_new_tokens)
+            if num_loaded_tokens:  # copied in before the step runs
+                self._load_with_step(request, num_hit_tokens, num_loaded_tokens)
+
+    def _start(self, step: ScheduledStep, request: Request, num_computed_tokens: int, num_new_tokens: int) -> None:
+        """A request whose blocks are allocated runs (again): the workers get it whole."""
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+            request.first_scheduled_time = time.time()
+        request.num_output_tokens_sent = request.num_output_tokens
+        new_req = NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=num_computed_tokens,
+            eos_token_id=request.eos_token_id,
+            lora_name=request.lora_name,
+        )
+        step.new_reqs.append(new_req)
+        self._add_to_step(step, request, num_new_tokens)
 
     @staticmethod
     def _add_to_step(step: ScheduledStep, request: Request, num_new_tokens: int) -> None:
@@ -420,7 +432,7 @@ class Scheduler(AdmissionControl, SpeculativeScheduling, LoRAAdmission):
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            num_deferred_reqs=len(self.structured_output.compiling) if self.structured_output else 0,
+            num_deferred_reqs=self.num_parked + len(self.structured_output.compiling if self.structured_output else ()),
             kv_cache_usage=kv.usage(),
             num_used_blocks=kv.block_pool.num_used_blocks,
             prefix_cache_queries=kv.prefix_cache_stats.queries,

@@ -93,6 +93,13 @@ class HostKVTier:
         self.stats.host_hit_tokens += num_tokens
         self.stats.blocks_loaded += last - first
 
+    def loads_in_background(self, request: Request) -> bool:
+        """No: the copies are local and short, made before the step that reads them."""
+        return False
+
+    def cancel_load(self, request: Request, workers_alive: bool = True) -> None:
+        """Nothing loads in the background here."""
+
     # ---- the block pool's evictions ----------------------------------------------------------
 
     def _offload(self, block: KVCacheBlock) -> None:

@@ -16,6 +16,7 @@ pulls over NCCL through CuPy). `make_transport` picks by device.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from shoal import envs
 from shoal.kv_transfer.layout import KVLayout, LayerLayout
 
 if TYPE_CHECKING:
+    from shoal.kv_transfer.background_loads import CopyGate
     from shoal.layers.kv_cache_spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -93,9 +95,12 @@ def load_blocks(
     first_block: int,
     block_ids: list[int],
     timeout_s: float,
+    gate: CopyGate | None = None,
 ) -> None:
     """Copy the transfer's blocks [first_block, first_block + len(block_ids)) into this worker's
-    blocks `block_ids`, then release the transfer (also when the copy fails)."""
+    blocks `block_ids`, then release the transfer (also when the copy fails). With a `gate`
+    (a load in the background), the copy happens only while it is open: a load cancelled
+    before its transfer arrived writes nothing."""
     from shoal.kv_transfer.params import KVTransferError
 
     try:
@@ -103,10 +108,19 @@ def load_blocks(
         end = first_block + len(block_ids)
         if blocks[0].shape[1] < end:
             raise KVTransferError(f"transfer {transfer_id} holds {blocks[0].shape[1]} blocks, {end} are needed")
-        index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
-        for cache, layer_blocks in zip(kv_caches, blocks, strict=True):
-            cache.index_copy_(1, index, layer_blocks[:, first_block:end].to(cache.device, non_blocking=True))
-        if kv_caches[0].device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the source may go once this returns
+        with gate.open() if gate is not None else contextlib.nullcontext(True) as may_copy:
+            if may_copy:
+                _copy_into(kv_caches, blocks, first_block, block_ids)
     finally:
         transport.release(transfer_id)
+
+
+def _copy_into(
+    kv_caches: list[torch.Tensor], blocks: list[torch.Tensor], first_block: int, block_ids: list[int]
+) -> None:
+    end = first_block + len(block_ids)
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    for cache, layer_blocks in zip(kv_caches, blocks, strict=True):
+        cache.index_copy_(1, index, layer_blocks[:, first_block:end].to(cache.device, non_blocking=True))
+    if kv_caches[0].device.type == "cuda":
+        torch.cuda.current_stream().synchronize()  # the source may go once this returns

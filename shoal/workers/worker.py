@@ -22,7 +22,7 @@ from shoal import envs, rl_verbs
 from shoal.config import EngineConfig
 from shoal.distributed import parallel_state
 from shoal.distributed.communicator import NcclUniqueId
-from shoal.step import GrammarBitmask, SchedulerOutput
+from shoal.step import GrammarBitmask, KVBlockCopies, SchedulerOutput
 from shoal.workers.cpu_threads import default_cpu_threads
 from shoal.workers.lora_calls import LoRACalls
 from shoal.workers.model_runner import ModelRunner
@@ -163,9 +163,26 @@ class Worker:
         """Publish a prefilled request's KV blocks for a decode engine; returns the seconds."""
         return self._kv_transfer().save(transfer_id, block_ids)
 
-    def load_kv(self, transfer_id: str, first_block: int, block_ids: list[int], timeout_s: float) -> float:
-        """Copy a transfer's blocks into this worker's `block_ids` (`KVTransferError` if it fails)."""
-        return self._kv_transfer().load(transfer_id, first_block, block_ids, timeout_s)
+    def start_kv_load(
+        self, load_id: int, transfer_id: str, first_block: int, block_ids: list[int], timeout_s: float
+    ) -> None:
+        """Start copying a transfer's blocks into this worker's `block_ids`, in the background
+        (shoal/kv_transfer/background_loads.py)."""
+        self._kv_transfer().loads.start(load_id, transfer_id, first_block, block_ids, timeout_s)
+
+    def ended_kv_loads(self, wait_s: float = 0.0) -> list[tuple[int, float, str | None]]:
+        """The loads that ended since the last call: (load id, seconds, None or the error)."""
+        return self._kv_transfer().loads.take_ended(wait_s)
+
+    def cancel_kv_loads(self, load_ids: list[int]) -> None:
+        """Give these loads up: once this returns, they write nothing more into the KV cache."""
+        self._kv_transfer().loads.cancel(load_ids)
+
+    def copy_kv_blocks(self, copies: KVBlockCopies) -> None:
+        """The host tier's copies of a step, made ahead of it (before loads start into blocks
+        whose old KV they offload)."""
+        if self.host_kv_pool is not None:
+            self.host_kv_pool.apply(copies)
 
     def _kv_transfer(self) -> KVTransferWorker:
         from shoal.kv_transfer.worker_side import KVTransferWorker

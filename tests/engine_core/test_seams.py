@@ -47,6 +47,12 @@ class LoadsFromElsewhere:
     def load_into(self, request: Request, block_ids: list[int], num_computed_tokens: int, num_tokens: int) -> None:
         self.loads.append((request.request_id, list(block_ids), num_computed_tokens, num_tokens))
 
+    def loads_in_background(self, request: Request) -> bool:
+        return False  # copied in with the request's first step
+
+    def cancel_load(self, request: Request, workers_alive: bool = True) -> None:
+        raise AssertionError("nothing loads in the background")
+
 
 def test_the_scheduler_asks_the_kv_connector_after_the_prefix_cache() -> None:
     """A prefix-cache hit first, then what the connector loads: those tokens count as computed,

@@ -25,7 +25,8 @@ _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20, 50, 100)
 # Why a request waits (`num_requests_waiting_by_reason`): for room in the batch (token budget,
-# max_num_seqs, KV blocks; or the end of a pause), or for something else first (its grammar).
+# max_num_seqs, KV blocks; or the end of a pause), or for something else first (its grammar, or
+# its KV from a prefill engine).
 WAITING_REASONS = ("capacity", "deferred")
 
 
@@ -127,7 +128,7 @@ class ServerMetrics:
         )
         waiting_by_reason = Gauge(
             "shoal:num_requests_waiting_by_reason",
-            "Requests waiting, by reason: capacity (room in the batch) or deferred (a grammar being compiled).",
+            "Requests waiting, by reason: capacity (room in the batch) or deferred (a grammar being compiled, KV loading).",
             [*labels, "reason"],
             registry=self.registry,
         )
