@@ -108,9 +108,11 @@ class CudaGraphRunner:
             time.perf_counter() - start,
         )
 
-    def replay(self, size: int) -> torch.Tensor:
+    def replay(self, size: int, metadata: AttentionMetadata | None = None) -> torch.Tensor:
         """Run the decode already loaded into the buffers, padded to `size` rows (`padding_rows`);
-        returns the hidden states of all `size` rows: the requests' first, then the padding's."""
+        returns the hidden states of all `size` rows: the requests' first, then the padding's.
+        `metadata`: the step's own (a graph reads the views it was captured with; a runner that
+        replays eagerly, as CPU tests do, runs under it)."""
         self.graphs[size].replay()
         return self.outputs[size]
 

@@ -29,6 +29,7 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
+from shoal.layers.mla import MLAAttention
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
 from shoal.lora.slots import LoRASlots
@@ -48,6 +49,14 @@ from shoal.workers.sampler import (
 from shoal.workers.spec_decode_step import SpeculativeStep
 from shoal.workers.step_buffers import StepBuffers
 from shoal.workers.step_output import DeferredStep, FinishedStep, SampledStep
+from shoal.workers.verify_graphs import (
+    VerificationPadding,
+    VerifyGraphRunner,
+    no_fresh_prompts,
+    pad_verification,
+    verification_capture_sizes,
+    verification_graph_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +81,9 @@ class StepInputs:
     logits_indices: np.ndarray
     # Requests that want prompt logprobs: (req_id, rows, target token ids) computed this step.
     prompt_logprob_rows: list[tuple[str, np.ndarray, np.ndarray]]
+    # A verification step laid out for a verification graph (verify_graphs.py): the tensors and
+    # the metadata above are the padded batch's, the logits indices point into it.
+    padding: VerificationPadding | None = None
 
 
 @dataclass
@@ -119,6 +131,8 @@ class ModelRunner:
         self.records_routing = False
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CudaGraphRunner | None = None
+        # Speculative decoding's verification steps (k + 1 tokens a request), replayed likewise.
+        self.verify_graphs: VerifyGraphRunner | None = None
         # The last step's sampled tokens on the device, and by input batch row (slot) the row
         # in them that was sampled for its request (-1: none).
         self.prev_sampled: torch.Tensor | None = None
@@ -179,17 +193,43 @@ class ModelRunner:
         """Capture the decode graphs (GPU, one pipeline stage, unless enforce_eager)."""
         if self.device.type != "cuda" or self.model_config.enforce_eager or get_pp_group().world_size > 1:
             return
-        # With speculative decoding the graphs serve the steps without drafts (speculation switched
-        # off by batch size or acceptance, or nothing to propose); verification steps run eagerly.
+        # With speculative decoding the decode graphs serve the steps without drafts (speculation
+        # switched off by batch size or acceptance, or nothing to propose), the verification
+        # graphs the steps with drafts.
         self.cuda_graphs = CudaGraphRunner(
             self._model, self.buffers, self.config.scheduler_config.max_num_seqs, self.model_config.max_model_len
         )
         self.cuda_graphs.capture()
+        self.verify_graphs = self._verify_graph_runner()
+        if self.verify_graphs is not None:
+            self.verify_graphs.capture()
+
+    def _verify_graph_runner(self) -> VerifyGraphRunner | None:
+        """Verification graphs, when the step's drafts can be replayed: not with LoRA (its token
+        map follows the unpadded batch) nor MLA (its attention over several query tokens loops
+        over the requests on the host)."""
+        spec = self.config.speculative_config
+        if spec is None or self.lora is not None:
+            return None
+        if any(isinstance(layer, MLAAttention) for layer in self._model.attention_layers()):
+            return None
+        query_len = spec.num_speculative_tokens + 1
+        scheduler_config = self.config.scheduler_config
+        sizes = verification_capture_sizes(
+            scheduler_config.max_num_seqs,
+            spec.disable_by_batch_size,
+            query_len,
+            self.buffers["input_ids"].shape[0],
+        )
+        if not sizes:
+            return None
+        return VerifyGraphRunner(self._model, self.buffers, sizes, query_len, self.model_config.max_model_len)
 
     def drop_cuda_graphs(self) -> None:
-        """Forget the decode graphs (the tensors whose addresses they hold are about to move);
-        `capture_cuda_graphs` makes new ones."""
+        """Forget the decode and verification graphs (the tensors whose addresses they hold are
+        about to move); `capture_cuda_graphs` makes new ones."""
         self.cuda_graphs = None
+        self.verify_graphs = None
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
@@ -309,6 +349,9 @@ class ModelRunner:
         padding rows after the batch's), else an eager forward (receiving the previous pipeline
         stage's tensors first)."""
         md = inputs.attn_metadata
+        if inputs.padding is not None:
+            assert self.verify_graphs is not None
+            return self.verify_graphs.replay(inputs.padding.size, md)
         size = self._graph_size(md.num_reqs, md.num_tokens)
         if size is not None:
             assert self.cuda_graphs is not None
@@ -396,10 +439,17 @@ class ModelRunner:
             **self._plain_sampling_arrays(sampling_slots),
             **self._pending_token_arrays(positions, token_slots),
         }
+        padding = self._verification_padding(slots, num_scheduled, seq_lens, arrays)
+        logits_indices = query_start_loc[1:][samples] - 1
+        if padding is not None:  # a verification graph's layout: the step's rows padded
+            arrays, query_start_loc, seq_lens = padding.arrays, padding.query_start_loc, padding.seq_lens
+            num_tokens, logits_indices = len(arrays["input_ids"]), padding.query_ends[samples] - 1
         views = self._load(num_tokens, arrays)
         if "pending_token_index" in views:
             self._fill_pending_tokens(views)
         attn_metadata = self._attention_metadata(query_start_loc, seq_lens, views)
+        if padding is not None:  # as captured: no fresh prompts to look for on the host
+            attn_metadata.fresh_prefill_plan = no_fresh_prompts(padding.size)
         return StepInputs(
             req_ids=req_ids,
             input_ids=views["input_ids"],
@@ -408,9 +458,36 @@ class ModelRunner:
             sampling_req_ids=req_ids if all_sample else [r for r, s in zip(req_ids, samples.tolist()) if s],
             sampling_slots=sampling_slots,
             sampling_metadata=self._plain_sampling_metadata(arrays, views),
-            logits_indices=query_start_loc[1:][samples] - 1,
+            logits_indices=logits_indices,
             prompt_logprob_rows=self._prompt_logprob_rows(req_ids, start, query_start_loc, num_scheduled),
+            padding=padding,
         )
+
+    def _verification_padding(
+        self, slots: np.ndarray, num_scheduled: np.ndarray, seq_lens: np.ndarray, arrays: dict[str, np.ndarray]
+    ) -> VerificationPadding | None:
+        """The step laid out for a verification graph, when it replays one (verify_graphs.py)."""
+        graphs = self.verify_graphs
+        if graphs is None or self.records_routing or "pending_token_index" in arrays:
+            return None
+        num_known = num_scheduled - self.input_batch.num_draft_tokens[slots]
+        max_model_len = self.model_config.max_model_len
+        size = verification_graph_size(num_scheduled, num_known, seq_lens, graphs.query_len, graphs.sizes, max_model_len)
+        if size is None:
+            return None
+        block_table_rows = self.input_batch.block_table[slots]
+        return pad_verification(arrays, num_scheduled, seq_lens, block_table_rows, self.block_size, graphs.query_len, size)
+
+    def unpadded_metadata(self, padding: VerificationPadding) -> AttentionMetadata:
+        """The attention metadata of a padded verification step's real rows, as an eager step
+        has it (the drafters' own passes run on it)."""
+        arrays = padding.unpadded
+        names = ("query_start_loc", "seq_lens", "decode_order", "block_tables", "slot_mapping")
+        views = {
+            name: torch.from_numpy(np.ascontiguousarray(arrays[name])).to(self.device, self.buffers[name].dtype)
+            for name in names
+        }
+        return self._attention_metadata(arrays["query_start_loc"], arrays["seq_lens"], views)
 
     def _plain_sampling_arrays(self, sampling_slots: np.ndarray) -> dict[str, np.ndarray]:
         """For a step whose sampling rows are all plain (temperature or greedy only), their

@@ -306,14 +306,19 @@ class SpeculativeStep:
         verification: _Verification,
     ) -> TargetStates:
         md = inputs.attn_metadata
+        input_ids, positions = inputs.input_ids, inputs.positions
+        if inputs.padding is not None:  # a verification graph's rows: the drafters read the real ones
+            rows = self.runner._to_device(inputs.padding.token_rows)
+            hidden_states, input_ids, positions = hidden_states[rows], input_ids[rows], positions[rows]
+            md = self.runner.unpadded_metadata(inputs.padding)
         k = self.config.num_speculative_tokens
         emitted_ids = np.full((len(emitted), k + 1), -1, dtype=np.int64)
         for row, tokens in enumerate(emitted):
             emitted_ids[row, : len(tokens)] = tokens
         return TargetStates(
             hidden_states=hidden_states,
-            input_ids=inputs.input_ids,
-            positions=inputs.positions,
+            input_ids=input_ids,
+            positions=positions,
             query_start_loc=md.query_start_loc_cpu.numpy().astype(np.int64),
             attn_metadata=md,
             layout=verification.layout,
