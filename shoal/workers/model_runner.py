@@ -29,9 +29,9 @@ import torch
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import get_pp_group, get_tp_group
-from shoal.layers.mla import MLAAttention
 from shoal.forward_context import AttentionMetadata, set_forward_context
 from shoal.kernels import fresh_prefill_attention
+from shoal.layers.mla import MLAAttention
 from shoal.lora.slots import LoRASlots
 from shoal.sampling_params import SamplingParams
 from shoal.step import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -472,11 +472,15 @@ class ModelRunner:
             return None
         num_known = num_scheduled - self.input_batch.num_draft_tokens[slots]
         max_model_len = self.model_config.max_model_len
-        size = verification_graph_size(num_scheduled, num_known, seq_lens, graphs.query_len, graphs.sizes, max_model_len)
+        size = verification_graph_size(
+            num_scheduled, num_known, seq_lens, graphs.query_len, graphs.sizes, max_model_len
+        )
         if size is None:
             return None
         block_table_rows = self.input_batch.block_table[slots]
-        return pad_verification(arrays, num_scheduled, seq_lens, block_table_rows, self.block_size, graphs.query_len, size)
+        return pad_verification(
+            arrays, num_scheduled, seq_lens, block_table_rows, self.block_size, graphs.query_len, size
+        )
 
     def unpadded_metadata(self, padding: VerificationPadding) -> AttentionMetadata:
         """The attention metadata of a padded verification step's real rows, as an eager step

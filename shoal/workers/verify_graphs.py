@@ -194,4 +194,3 @@ class VerifyGraphRunner(CudaGraphRunner):
             size=size,
         )
         self.buffers.load(**padding.arrays)
-

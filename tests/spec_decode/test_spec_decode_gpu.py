@@ -1,7 +1,8 @@
-"""Speculative decoding on a GPU beside the decode CUDA graphs: steps without drafts (speculation
-switched off above `disable_by_batch_size`) replay the graphs, verification steps run eagerly,
-and greedy output equals the plain engine's (float32, so that the two attention paths agree
-exactly), for every method."""
+"""Speculative decoding on a GPU beside CUDA graphs: steps without drafts (speculation switched
+off above `disable_by_batch_size`) replay the decode graphs, verification steps replay the
+verification graphs (k + 1 tokens a request; eagerly on MLA models, so for MTP), and greedy
+output equals the plain engine's (float32, so that the attention paths agree exactly), for every
+method."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from shoal import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 ENGINE = dict(device="cuda", dtype="float32", multiprocess=False, max_num_seqs=8, gpu_memory_utilization=0.3)
-# Batch sizes fall as requests finish: steps above the switch-off size replay graphs.
+# Batch sizes fall as requests finish: steps above the switch-off size replay decode graphs, the
+# others verify (requests near max_tokens with fewer drafts: placeholders).
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=8 + 8 * i, ignore_eos=True) for i in range(6)]
 
 
@@ -25,28 +27,35 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
 
 
-def run(path: str, speculative_config: dict | None) -> tuple[list[list[int]], int, dict]:
-    """Greedy tokens, graph replays and stats of one engine (freed afterwards)."""
+def counted_replays(graphs: object) -> list[int]:
+    """Count the runner's graph replays (the count in a one-item list)."""
+    count = [0]
+    replay = graphs.replay  # type: ignore[attr-defined]
+
+    def counted(size: int, metadata: object = None) -> torch.Tensor:
+        count[0] += 1
+        return replay(size, metadata)
+
+    graphs.replay = counted  # type: ignore[attr-defined]
+    return count
+
+
+def run(path: str, speculative_config: dict | None) -> tuple[list[list[int]], int, int | None, dict]:
+    """Greedy tokens, decode and verification graph replays (None: no verification graphs) and
+    stats of one engine (freed afterwards)."""
     llm = LLM(path, speculative_config=speculative_config, **ENGINE)
-    graphs = llm.engine_core.core.executor.worker.model_runner.cuda_graphs
-    assert graphs is not None
-    replays = 0
-    replay = graphs.replay
-
-    def counted(size: int) -> torch.Tensor:
-        nonlocal replays
-        replays += 1
-        return replay(size)
-
-    graphs.replay = counted
+    runner = llm.engine_core.core.executor.worker.model_runner
+    assert runner.cuda_graphs is not None
+    decodes = counted_replays(runner.cuda_graphs)
+    verifications = counted_replays(runner.verify_graphs) if runner.verify_graphs is not None else None
     tokens, stats = greedy(llm), llm.get_stats()
-    del llm, graphs
+    del llm, runner
     torch.cuda.empty_cache()
-    return tokens, replays, stats
+    return tokens, decodes[0], verifications[0] if verifications is not None else None, stats
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3", "mtp"])
-def test_speculation_beside_decode_graphs_equals_plain_greedy(
+def test_speculation_with_cuda_graphs_equals_plain_greedy(
     method: str, tiny_checkpoints: dict, eagle3_head: Path, deepseek_mtp: Path
 ) -> None:
     target = str(deepseek_mtp if method == "mtp" else tiny_checkpoints["llama"])
@@ -57,8 +66,12 @@ def test_speculation_beside_decode_graphs_equals_plain_greedy(
         config["model"] = target
     elif method == "eagle3":
         config["model"] = str(eagle3_head)
-    expected, _, _ = run(target, None)
-    tokens, replays, stats = run(target, config)
+    expected, _, _, _ = run(target, None)
+    tokens, decode_replays, verify_replays, stats = run(target, config)
     assert tokens == expected
-    assert replays > 0  # the switched-off steps
+    assert decode_replays > 0  # the switched-off steps
     assert stats["spec_decode_num_drafts"] > 0  # and the others speculated
+    if method == "mtp":
+        assert verify_replays is None  # MLA verifies eagerly
+    else:
+        assert verify_replays is not None and verify_replays > 0

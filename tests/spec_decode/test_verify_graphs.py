@@ -82,7 +82,9 @@ def test_which_steps_replay_a_verification_graph() -> None:
     assert verification_capture_sizes(256, None, 5, 512)[-1] == 102  # the step buffers' rows
 
     def size(num_scheduled: list[int], num_known: list[int], seq_lens: list[int], max_len: int = 100) -> int | None:
-        return verification_graph_size(np.array(num_scheduled), np.array(num_known), np.array(seq_lens), 3, sizes, max_len)
+        return verification_graph_size(
+            np.array(num_scheduled), np.array(num_known), np.array(seq_lens), 3, sizes, max_len
+        )
 
     assert size([3, 2, 1], [1, 1, 1], [10, 10, 10]) == 4
     assert size([3], [1], [10]) == 1
