@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,6 +66,9 @@ def padding_rows(num_reqs: int, size: int, num_block_columns: int) -> dict[str, 
 
 
 class CudaGraphRunner:
+    # What the graphs run, for the logs.
+    kind = "decode"
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -80,17 +84,21 @@ class CudaGraphRunner:
         self.max_seq_len = max_seq_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: Any = None  # the graphs' memory pool (torch.cuda.graph_pool_handle)
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The captured batch size a decode of `num_reqs` requests runs at, if any."""
         return round_up_to_size(self.sizes, num_reqs)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool: Any = None) -> None:
+        """Capture a graph per size, in `pool` if given (another runner's: graphs replayed one
+        at a time may share their memory)."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = pool or torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs then fit in the memory the largest one reserved.
-        for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", dynamic_ncols=True):
+        sizes = sorted(self.sizes, reverse=True)
+        for size in tqdm(sizes, desc=f"Capturing {self.kind} CUDA graphs", dynamic_ncols=True):
             self._load_padding_only(size)
             metadata = self.metadata(size)
             with set_forward_context(metadata):
@@ -102,8 +110,9 @@ class CudaGraphRunner:
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info(
-            "Captured %d CUDA graphs (batch sizes 1..%d) in %.1f s",
+            "Captured %d %s CUDA graphs (batch sizes 1..%d) in %.1f s",
             len(self.graphs),
+            self.kind,
             self.sizes[-1],
             time.perf_counter() - start,
         )

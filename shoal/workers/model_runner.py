@@ -201,8 +201,8 @@ class ModelRunner:
         )
         self.cuda_graphs.capture()
         self.verify_graphs = self._verify_graph_runner()
-        if self.verify_graphs is not None:
-            self.verify_graphs.capture()
+        if self.verify_graphs is not None:  # in the decode graphs' memory: one replays at a time
+            self.verify_graphs.capture(self.cuda_graphs.pool)
 
     def _verify_graph_runner(self) -> VerifyGraphRunner | None:
         """Verification graphs, when the step's drafts can be replayed: not with LoRA (its token

@@ -150,6 +150,8 @@ class VerifyGraphRunner(CudaGraphRunner):
     """Verification forwards captured per padded batch size for `query_len` = k + 1 tokens a
     request; the step's padded inputs (`pad_verification`) are in the buffers when it replays."""
 
+    kind = "verification"
+
     def __init__(
         self,
         model: torch.nn.Module,

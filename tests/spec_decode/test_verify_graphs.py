@@ -132,9 +132,20 @@ def test_greedy_output_with_emulated_verification_graphs_equals_plain_greedy(
     else:
         config.update(model=str(eagle3_head), num_speculative_tokens=2)
     llm = LLM(target, speculative_config=config, **ENGINE)
-    graphs = emulate_verify_graphs(llm.engine_core.core.executor.worker.model_runner)
+    runner = llm.engine_core.core.executor.worker.model_runner
+    assert runner.verify_graphs is None  # no capture on the CPU
+    graphs = emulate_verify_graphs(runner)
+    captured = runner._verify_graph_runner()  # what a GPU would capture
+    assert captured is not None and (captured.sizes, captured.query_len) == (graphs.sizes, graphs.query_len)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == tokens
     assert graphs.num_replays > 0
     # Requests with fewer than k drafts (placeholders), full ones, and padding requests replayed.
     assert {0, 1 + config["num_speculative_tokens"]} < graphs.real_rows
     assert llm.get_stats()["spec_decode_num_drafts"] > 0
+
+
+def test_mla_models_verify_eagerly(deepseek_mtp: Path) -> None:
+    """MLA attention over several query tokens loops over the requests on the host: no graphs."""
+    llm = LLM(str(deepseek_mtp), speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    runner = llm.engine_core.core.executor.worker.model_runner
+    assert runner._verify_graph_runner() is None

@@ -4,6 +4,8 @@ arrays, which the CPU attention reads): the rows a captured graph would compute.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from shoal.forward_context import AttentionMetadata, set_forward_context
@@ -16,7 +18,7 @@ class EagerVerifyRunner(VerifyGraphRunner):
     # Of every replayed request, how many of its rows were real tokens (0: a padding request).
     real_rows: set[int] = set()
 
-    def capture(self) -> None:
+    def capture(self, pool: Any = None) -> None:
         return
 
     def replay(self, size: int, metadata: AttentionMetadata | None = None) -> torch.Tensor:
