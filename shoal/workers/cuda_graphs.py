@@ -9,7 +9,8 @@ Graphs read their inputs from the fixed `StepBuffers`; a batch of n requests run
 the smallest captured size >= n, its extra rows padded so that they write nowhere (slot -1) and
 attend to one cached token. The runner appends those rows (`padding_rows`) to the step's host
 arrays, so they reach the device in the step's own copies rather than as a handful of fill
-kernels per replay. Prefill and mixed batches run eagerly.
+kernels per replay. Prefill and mixed batches run eagerly; speculative decoding's verification
+steps have graphs of their own (verify_graphs.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ attention metadata; compute logits only where a token is sampled (or prompt logp
 wanted); sample.
 
 On a GPU the inputs land in persistent device buffers (`StepBuffers`), and pure-decode steps
-replay CUDA graphs (`CudaGraphRunner`) unless `enforce_eager`.
+replay CUDA graphs (`CudaGraphRunner`) unless `enforce_eager`; so do speculative decoding's
+verification steps, padded to k + 1 tokens a request (`VerifyGraphRunner`, verify_graphs.py).
 
 A step's sampled tokens stay on the device until `SampledStep.result()` reads them back, so
 with async scheduling the engine prepares and launches the next step first. That next step may
@@ -214,6 +215,8 @@ class ModelRunner:
         if any(isinstance(layer, MLAAttention) for layer in self._model.attention_layers()):
             return None
         query_len = spec.num_speculative_tokens + 1
+        if query_len + 1 > self.model_config.max_model_len:  # a padding request's context
+            return None
         scheduler_config = self.config.scheduler_config
         sizes = verification_capture_sizes(
             scheduler_config.max_num_seqs,

@@ -17,7 +17,8 @@ The runner reaches it at four seams of a step:
 4. The proposer, last: the emitted tokens are written into the rows (the scheduler's next diff
    writes the same ones), and it drafts the next step's tokens from them (n-gram), or from the
    target's states of this step (draft model, EAGLE heads, MTP, which also run their step pass
-   over every row so that their KV cache has no holes).
+   over every row so that their KV cache has no holes). A step that replayed a verification
+   graph computed a padded batch (verify_graphs.py): the drafters get its real rows only.
 
 Only the sampling rank verifies and proposes; every rank runs the same forward. The step reads
 its tokens back before it returns (the drafts depend on them), so the engine turns async

@@ -10,7 +10,8 @@ carries, so it is captured per padded batch size for exactly q = k + 1 query tok
   so that its real tokens keep their positions and the causal mask hides the placeholders from
   them; the placeholders' own rows are discarded (the logits rows point at real rows only).
 - requests past the batch up to the captured size are padded as decode graphs pad them
-  (`padding_rows`), with q rows each: a fresh q-token "prompt" written nowhere over block 0.
+  (`padding_rows`), with q rows each: written nowhere, after one cached token of block 0 (not a
+  fresh prompt, which some attention paths would hand to another kernel, leaving rows unset).
 
 A step replays such a graph when every request completes its known tokens with 1 + n tokens
 (n <= k; no prefill chunk), at least one carries drafts (else the decode graphs take the step),
@@ -103,10 +104,10 @@ def pad_verification(
     num_scheduled = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.cumsum(num_scheduled) - num_scheduled  # each request's first row, unpadded
     token_rows = np.repeat(np.arange(num_reqs) * q - starts, num_scheduled) + np.arange(int(num_scheduled.sum()))
-    padded_seq_lens = np.full(size, q, dtype=np.int64)
+    padded_seq_lens = np.full(size, q + 1, dtype=np.int64)
     padded_seq_lens[:num_reqs] = seq_lens + q - num_scheduled
-    # Each real request's rows continue its positions; a padding request's are 0..q-1.
-    first_positions = np.zeros(size, dtype=np.int64)
+    # Each real request's rows continue its positions; a padding request's are 1..q.
+    first_positions = np.ones(size, dtype=np.int64)
     first_positions[:num_reqs] = seq_lens - num_scheduled
     positions = np.repeat(first_positions, q) + np.tile(np.arange(q), size)
     input_ids = np.zeros(size * q, dtype=np.int64)
@@ -140,9 +141,8 @@ def pad_verification(
 
 
 def no_fresh_prompts(num_reqs: int) -> FreshPrefillPlan:
-    """A verification batch's plan: every request a chunk after a cached prefix, so that the
-    attention never reads the host arrays to look for fresh prompts (a padding request looks
-    like one, and a graph must not depend on that)."""
+    """A verification batch's plan: every request a chunk after a cached prefix (which it is),
+    given so that the attention does not plan from the host arrays, which a graph cannot read."""
     return FreshPrefillPlan(groups=(), num_decodes=0, num_prefix_chunks=num_reqs)
 
 
@@ -176,7 +176,7 @@ class VerifyGraphRunner(CudaGraphRunner):
             block_tables=b["block_tables"][:size],
             slot_mapping=b["slot_mapping"][: size * q],
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q,
-            seq_lens_cpu=torch.full((size,), q, dtype=torch.int32),
+            seq_lens_cpu=torch.full((size,), q + 1, dtype=torch.int32),
             decode_order=b["decode_order"][:size],
             fresh_prefill_plan=no_fresh_prompts(size),
         )
@@ -191,7 +191,7 @@ class VerifyGraphRunner(CudaGraphRunner):
             np.zeros(0, dtype=np.int64),
             np.zeros(0, dtype=np.int64),
             np.zeros((0, 1), dtype=np.int32),
-            block_size=max(self.query_len, 1),
+            block_size=self.query_len + 1,  # one block column: a padding request's context
             query_len=self.query_len,
             size=size,
         )

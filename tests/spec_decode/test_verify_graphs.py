@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from shoal import LLM, SamplingParams
+from shoal.forward_context import set_forward_context
 from shoal.spec_decode.draft_layout import DraftLayout
 from shoal.workers.verify_graphs import pad_verification, verification_capture_sizes, verification_graph_size
 from tests.spec_decode.verify_emulation import emulate_verify_graphs
@@ -47,14 +48,16 @@ def test_a_verification_pads_drafts_with_placeholders_and_the_batch_with_padding
     assert a["query_start_loc"].tolist() == [0, 4, 8, 12, 16]
     # Real tokens keep their ids, positions and slots; placeholders follow them, written nowhere.
     assert a["input_ids"].tolist() == [100, 101, 102, 103, 104, 105, 0, 0, 106, 0, 0, 0, 0, 0, 0, 0]
-    assert a["positions"].tolist() == [6, 7, 8, 9, 5, 6, 7, 8, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert a["positions"].tolist() == [6, 7, 8, 9, 5, 6, 7, 8, 4, 5, 6, 7, 1, 2, 3, 4]
     assert a["slot_mapping"][p.token_rows].tolist() == arrays["slot_mapping"].tolist()
     assert (np.delete(a["slot_mapping"], p.token_rows) == -1).all()
-    # Contexts count the placeholders (the real rows keep their positions); padding: q tokens.
-    assert a["seq_lens"].tolist() == [10, 9, 8, 4]
+    # Contexts count the placeholders (the real rows keep their positions); padding: one cached
+    # token, then q (no fresh prompt).
+    assert a["seq_lens"].tolist() == [10, 9, 8, 5]
     assert (a["seq_lens"] - 4 == a["positions"][::4]).all()
     # Block tables reach the padded contexts' blocks; the padding request's are block 0.
     assert a["block_tables"].tolist() == [[5, 6, 7], [9, 10, 11], [13, 14, 15], [0, 0, 0]]
+    assert a["query_start_loc"][-1] == len(a["input_ids"]) == len(a["positions"]) == len(a["slot_mapping"])
     assert sorted(a["decode_order"].tolist()) == [0, 1, 2, 3]
 
 
@@ -149,3 +152,21 @@ def test_mla_models_verify_eagerly(deepseek_mtp: Path) -> None:
     llm = LLM(str(deepseek_mtp), speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
     runner = llm.engine_core.core.executor.worker.model_runner
     assert runner._verify_graph_runner() is None
+
+
+def test_what_a_verification_graph_captures_is_a_consistent_batch(target: str) -> None:
+    """The batch each graph is captured on (padding requests only): its metadata's host arrays
+    agree with the buffers the graph reads, and the model runs on it with finite outputs."""
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(target, speculative_config=config, **ENGINE)
+    graphs = llm.engine_core.core.executor.worker.model_runner._verify_graph_runner()
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 6]  # 24 token rows: 6 requests of 4
+    for size in graphs.sizes:
+        graphs._load_padding_only(size)
+        md = graphs.metadata(size)
+        assert md.query_start_loc.tolist() == md.query_start_loc_cpu.tolist()
+        assert md.seq_lens.tolist() == md.seq_lens_cpu.tolist()
+        assert (md.slot_mapping == -1).all()
+        with set_forward_context(md):
+            hidden_states = graphs._forward(size)
+        assert hidden_states.shape[0] == size * 4 and hidden_states.isfinite().all()
