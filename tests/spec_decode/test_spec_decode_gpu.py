@@ -75,3 +75,25 @@ def test_speculation_with_cuda_graphs_equals_plain_greedy(
         assert verify_replays is None  # MLA verifies eagerly
     else:
         assert verify_replays is not None and verify_replays > 0
+
+
+@pytest.mark.parametrize("keep_addresses", [True, False])
+def test_verification_graphs_after_sleep_and_wake_up(keep_addresses: bool, tiny_checkpoints: dict) -> None:
+    """Sleep drops the graphs where the addresses move and wake-up captures new ones, the
+    verification graphs with the decode graphs; kept addresses keep them. Either way
+    verification steps still replay them and greedy output is unchanged."""
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(str(tiny_checkpoints["llama"]), speculative_config=config, enable_sleep_mode=keep_addresses, **ENGINE)
+    runner = llm.engine_core.core.executor.worker.model_runner
+    expected = greedy(llm)
+    graphs = runner.verify_graphs
+    assert graphs is not None
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert runner.verify_graphs is not None and (runner.verify_graphs is graphs) == keep_addresses
+    replays = counted_replays(runner.verify_graphs)
+    assert greedy(llm) == expected
+    assert replays[0] > 0
+    llm.shutdown()
+    del llm, runner, graphs
+    torch.cuda.empty_cache()

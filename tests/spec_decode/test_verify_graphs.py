@@ -145,6 +145,8 @@ def test_greedy_output_with_emulated_verification_graphs_equals_plain_greedy(
     # Requests with fewer than k drafts (placeholders), full ones, and padding requests replayed.
     assert {0, 1 + config["num_speculative_tokens"]} < graphs.real_rows
     assert llm.get_stats()["spec_decode_num_drafts"] > 0
+    runner.drop_cuda_graphs()  # (sleep, where the addresses move): recaptured on wake-up
+    assert runner.verify_graphs is None
 
 
 def test_mla_models_verify_eagerly(deepseek_mtp: Path) -> None:
