@@ -122,9 +122,9 @@ def expected(target: str) -> tuple[list[dict], list[list[int]]]:
     return prompts, [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 def test_greedy_output_with_emulated_verification_graphs_equals_plain_greedy(
-    method: str, target: str, eagle3_head: Path, expected: tuple[list[dict], list[list[int]]]
+    method: str, target: str, eagle_head: Path, eagle3_head: Path, expected: tuple[list[dict], list[list[int]]]
 ) -> None:
     prompts, tokens = expected
     config: dict[str, Any] = {"method": method, "num_speculative_tokens": 3}
@@ -133,7 +133,7 @@ def test_greedy_output_with_emulated_verification_graphs_equals_plain_greedy(
     elif method == "draft_model":
         config["model"] = target
     else:
-        config.update(model=str(eagle3_head), num_speculative_tokens=2)
+        config.update(model=str(eagle_head if method == "eagle" else eagle3_head), num_speculative_tokens=2)
     llm = LLM(target, speculative_config=config, **ENGINE)
     runner = llm.engine_core.core.executor.worker.model_runner
     assert runner.verify_graphs is None  # no capture on the CPU
