@@ -7,6 +7,10 @@ next call, given the state back, runs only the rest. No new test starts after th
 `SHOAL_GPU_DEADLINE`: the call ends between tests rather than being killed inside one. A test cut
 off by a hard timeout is not in the state and runs again next time.
 
+Under pytest-xdist the controller keeps the state: it learns what the workers collected
+(`pytest_xdist_node_collection_finished`) and records the reports they send; the workers only
+read the state, to deselect what is done, and start no test after the deadline.
+
 `tests/gpu/summary.py` prints the state as one line per test file and a total.
 """
 
@@ -31,22 +35,41 @@ def load_state(path: Path) -> dict:
 
 
 class Resume:
-    def __init__(self, state_path: Path, deadline: float | None) -> None:
+    def __init__(self, state_path: Path, deadline: float | None, is_worker: bool, is_controller: bool) -> None:
         self.state_path = state_path
         self.deadline = deadline
+        self.is_worker = is_worker  # an xdist worker: it reads the state, the controller writes it
+        self.is_controller = is_controller  # xdist's controller: its workers stop themselves
         self.state = load_state(state_path)
         self._current: dict[str, dict] = {}  # nodeid -> its outcome so far, phase by phase
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        known = set(self.state["collected"])
-        self.state["collected"] += [item.nodeid for item in items if item.nodeid not in known]
+        self._add_collected([item.nodeid for item in items])
         done = self.state["results"]
         deselected = [item for item in items if item.nodeid in done]
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = [item for item in items if item.nodeid not in done]
         self._save()
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
+        """The controller: what a worker collected (less what the state says is done)."""
+        self._add_collected(ids)
+        self._save()
+
+    def _add_collected(self, nodeids: list[str]) -> None:
+        known = set(self.state["collected"])
+        self.state["collected"] += [nodeid for nodeid in nodeids if nodeid not in known]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        """Past the deadline a test is not started (an xdist worker still gets it from its queue)."""
+        return True if self._past_deadline() else None
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """A test's outcome: an error in setup or teardown, a failure in its call, a skip (with
@@ -64,7 +87,7 @@ class Resume:
             self._save()
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
-        if self.deadline is not None and time.time() > self.deadline:
+        if self._past_deadline() and not (self.is_worker or self.is_controller):
             # The run loop stops before the next test; the next call picks up from there.
             self._session.shouldstop = "the device call's time is up: the next call runs the rest"
 
@@ -72,6 +95,8 @@ class Resume:
         self._session = session
 
     def _save(self) -> None:
+        if self.is_worker:
+            return
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.state, indent=1))
         tmp.replace(self.state_path)
@@ -82,4 +107,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not state_path:
         raise pytest.UsageError(f"-p tests.gpu.resume needs {STATE_ENV} (the JSON state file)")
     deadline = os.environ.get(DEADLINE_ENV)
-    config.pluginmanager.register(Resume(Path(state_path), float(deadline) if deadline else None), "gpu-resume")
+    is_worker = hasattr(config, "workerinput")
+    is_controller = not is_worker and bool(getattr(config.option, "numprocesses", None))
+    resume = Resume(Path(state_path), float(deadline) if deadline else None, is_worker, is_controller)
+    config.pluginmanager.register(resume, "gpu-resume")

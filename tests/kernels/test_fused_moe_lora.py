@@ -41,20 +41,32 @@ def test_triton_under_the_interpreter() -> None:
     run_interpreter_check("tests.kernels.triton_fused_moe_lora_check")
 
 
+def assert_as_close_as_the_reference(out: torch.Tensor, inputs: dict) -> None:
+    """float32: within 1e-4 of the formula. bf16 rounds every intermediate (gate_up, the LoRA
+    products, each expert's output), and with hidden 2048 a few of many thousand entries land
+    past a fixed tolerance: there the kernel's largest error from the formula may be at most
+    twice the torch reference's, run in bf16 on the same inputs."""
+    expected = formula(inputs).to(out.device)
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+        return
+    reference_error = (fused_moe_lora_ref(*inputs.values()).double() - expected).abs().max().item()
+    error = (out.double() - expected).abs().max().item()
+    assert error <= 2 * reference_error + 1e-3, (error, reference_error)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 8, 2, 1024, 512), (37, 128, 8, 2048, 768), (300, 60, 4, 2048, 1408)])
 def test_triton_on_gpu_in_a_cuda_graph(shape: tuple, dtype: torch.dtype) -> None:
     inputs = make_inputs(*shape, num_slots=4, rank=16, dtype=dtype, device="cuda")
-    expected = formula(inputs).to("cuda")
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(fused_moe_lora(*inputs.values()).double(), expected, rtol=tol, atol=tol)
+    assert_as_close_as_the_reference(fused_moe_lora(*inputs.values()), inputs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe_lora(*inputs.values())
     inputs["token_slots"].copy_(inputs["token_slots"].flip(0))  # the graph reads the slots it replays with
     graph.replay()
-    torch.testing.assert_close(out.double(), formula(inputs).to("cuda"), rtol=tol, atol=tol)
+    assert_as_close_as_the_reference(out, inputs)
 
 
 @pytest.mark.gpu
