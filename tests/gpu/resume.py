@@ -35,11 +35,10 @@ def load_state(path: Path) -> dict:
 
 
 class Resume:
-    def __init__(self, state_path: Path, deadline: float | None, is_worker: bool, is_controller: bool) -> None:
+    def __init__(self, state_path: Path, deadline: float | None, is_worker: bool) -> None:
         self.state_path = state_path
         self.deadline = deadline
         self.is_worker = is_worker  # an xdist worker: it reads the state, the controller writes it
-        self.is_controller = is_controller  # xdist's controller: its workers stop themselves
         self.state = load_state(state_path)
         self._current: dict[str, dict] = {}  # nodeid -> its outcome so far, phase by phase
 
@@ -65,7 +64,8 @@ class Resume:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        """Past the deadline a test is not started (an xdist worker still gets it from its queue)."""
+        """Past the deadline a test is not started: the run loop passes over the rest (an xdist
+        worker's queue too), and the next call picks up from there."""
         return True if self._past_deadline() else None
 
     def _past_deadline(self) -> bool:
@@ -86,14 +86,6 @@ class Resume:
             self.state["results"][report.nodeid] = self._current.pop(report.nodeid)
             self._save()
 
-    def pytest_runtest_logfinish(self, nodeid: str) -> None:
-        if self._past_deadline() and not (self.is_worker or self.is_controller):
-            # The run loop stops before the next test; the next call picks up from there.
-            self._session.shouldstop = "the device call's time is up: the next call runs the rest"
-
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self._session = session
-
     def _save(self) -> None:
         if self.is_worker:
             return
@@ -108,6 +100,5 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"-p tests.gpu.resume needs {STATE_ENV} (the JSON state file)")
     deadline = os.environ.get(DEADLINE_ENV)
     is_worker = hasattr(config, "workerinput")
-    is_controller = not is_worker and bool(getattr(config.option, "numprocesses", None))
-    resume = Resume(Path(state_path), float(deadline) if deadline else None, is_worker, is_controller)
+    resume = Resume(Path(state_path), float(deadline) if deadline else None, is_worker)
     config.pluginmanager.register(resume, "gpu-resume")

@@ -1,8 +1,9 @@
 """A pytest plugin for GPU tests that run in several processes on one GPU (`make test-gpu`'s
 parallel phase, pytest-xdist): every engine gets at most an equal share of the device
 (`gpu_memory_utilization`, instead of its default 0.9 or a test's own larger figure), so that
-the workers' engines fit side by side; an engine given `kv_cache_memory_bytes` is left as it is. Tests that measure the device's memory, or start Ray or
-NCCL, run alone in the suite's serial phase instead (tests/gpu/suite.sh)."""
+the workers' engines fit side by side; an engine given `kv_cache_memory_bytes` is left as it
+is. Tests that measure the device's memory, or start Ray or NCCL, run alone in the suite's
+serial phase instead (tests/gpu/suite.sh)."""
 
 from __future__ import annotations
 

@@ -58,7 +58,9 @@ for f in "${files[@]}"; do [[ " ${SERIAL[*]} " == *" $f "* ]] || rest+=("$f"); d
 run_pytest() {  # run_pytest LOG ARGS...: the resumable gpu run, stopped at the call's hard end
   local log=$1
   shift
-  timeout -k 10 $(( hard_end - $(date +%s) )) python3 -m pytest -m gpu -p tests.gpu.resume -p no:cacheprovider -q -rfE \
+  local left_s=$(( hard_end - $(date +%s) ))
+  (( left_s > 0 )) || left_s=1  # `timeout 0` would mean no limit
+  timeout -k 10 "$left_s" python3 -m pytest -m gpu -p tests.gpu.resume -p no:cacheprovider -q -rfE \
     --continue-on-collection-errors --durations=20 "${demo[@]}" "$@" > "$OUT/$log" 2>&1
   echo "pytest ($log) rc=$?"
 }
