@@ -46,6 +46,7 @@ from shoal.workers.sampler import (
     SamplingMetadata,
     build_sampling_metadata,
     temperatures_only,
+    top_logprobs,
 )
 from shoal.workers.spec_decode_step import SpeculativeStep
 from shoal.workers.step_buffers import StepBuffers
@@ -696,7 +697,7 @@ class ModelRunner:
             target = self._to_device(targets)[:, None]
             target_lp = logprobs.gather(-1, target)
             ranks = (logprobs > target_lp).sum(dim=-1) + 1
-            top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
+            top_lp, top_ids = top_logprobs(logprobs, num_logprobs)
             result[req_id] = (torch.cat([target, top_ids], dim=-1), torch.cat([target_lp, top_lp], dim=-1), ranks)
         return result
 

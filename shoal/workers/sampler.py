@@ -347,9 +347,26 @@ def gather_logprobs(output: SamplerOutput, raw_logprobs: torch.Tensor, sampled: 
     """Fill `output`'s logprob fields: each row's `sampled` token, its top `n`, its rank."""
     sampled_lp = raw_logprobs.gather(-1, sampled[:, None])  # [num_rows, 1]
     output.sampled_ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1
-    top_lp, top_ids = raw_logprobs.topk(n, dim=-1) if n > 0 else (sampled_lp[:, :0], sampled[:, None][:, :0])
+    top_lp, top_ids = top_logprobs(raw_logprobs, n)
     output.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=-1)
     output.logprobs = torch.cat([sampled_lp, top_lp], dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's n largest logprobs [num_rows, n] and their token ids, equal values in token-id
+    order. torch.topk leaves the order of equal values to its kernel, which the number of rows
+    may choose (on CUDA), and bfloat16 logits tie often: a request's top-n list would then change
+    with the batch around it. Each value is made unique by packing it with its token id into one
+    int64 key: the float's bits mapped to an int32 of the same order (negative floats' magnitude
+    bits flipped), then the id inverted in the low 32 bits, so that a lower id ranks higher."""
+    if n == 0:
+        return logprobs[:, :0], torch.zeros_like(logprobs[:, :0], dtype=torch.int64)
+    bits = logprobs.float().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    ids = torch.arange(logprobs.shape[-1], device=logprobs.device)
+    keys = (ordered << 32) | (0xFFFFFFFF - ids)  # [num_rows, vocab], all distinct in a row
+    top_ids = 0xFFFFFFFF - (keys.topk(n, dim=-1).values & 0xFFFFFFFF)
+    return logprobs.gather(-1, top_ids), top_ids
 
 
 def logprobs_lists(

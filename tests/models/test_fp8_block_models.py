@@ -170,27 +170,41 @@ def test_dummy_block_fp8_weights_are_finite_with_realistic_scales(block_fp8_chec
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "qwen2_moe"])
-def test_block_fp8_on_cuda_tracks_the_cpu_reference(tiny_checkpoints, moe_checkpoints, tmp_path, kind):
-    """On CUDA in bfloat16 (the Triton quantization, GEMM and fused-MoE kernels, CUDA graphs
-    on), 32 x 32 blocks: the CPU reference path's greedy tokens are the GPU's own top-1 almost
-    everywhere (bfloat16 rounding is the difference; the bound is the fp8-checkpoint test's)."""
-    src = {**tiny_checkpoints, **moe_checkpoints}[kind]
-    path = write_block_fp8_checkpoint(src, tmp_path / kind, (32, 32))
-    cpu = LLM(str(path), multiprocess=False, device="cpu")
-    prompts = [cpu.get_tokenizer().encode(t) for t in TEXTS]
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outputs = cpu.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    cuda = LLM(str(path), multiprocess=False, device="cuda", dtype="bfloat16", num_gpu_blocks_override=512)
-    scored = cuda.generate(
-        [{"prompt_token_ids": p + list(o.outputs[0].token_ids)} for p, o in zip(prompts, outputs)],
+def _top1_agreement(llm: LLM, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """The fraction of `continuations`' tokens that are `llm`'s own top-1 after their prefix
+    (scored as prompt logprobs, so every position sees the same prefix)."""
+    scored = llm.generate(
+        [{"prompt_token_ids": p + c} for p, c in zip(prompts, continuations)],
         SamplingParams(max_tokens=1, prompt_logprobs=0),
         use_tqdm=False,
     )
     ranks = [
         score.prompt_logprobs[len(p) + i][t].rank
-        for p, o, score in zip(prompts, outputs, scored)
-        for i, t in enumerate(o.outputs[0].token_ids)
+        for p, c, score in zip(prompts, continuations, scored)
+        for i, t in enumerate(c)
     ]
-    assert sum(r == 1 for r in ranks) / len(ranks) >= 0.75
+    return sum(r == 1 for r in ranks) / len(ranks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen2_moe"])
+def test_block_fp8_on_cuda_tracks_the_cpu_reference(tiny_checkpoints, moe_checkpoints, tmp_path, kind):
+    """On CUDA in bfloat16 (the Triton quantization, GEMM and fused-MoE kernels, CUDA graphs
+    on), 32 x 32 blocks: the CPU reference path's float32 greedy tokens are the GPU's own top-1
+    about as often as they are the same CPU path's in bfloat16. bfloat16 rounding is the
+    difference, and how often it flips a top-1 depends on the model: the tiny random MoE's
+    logits are nearly flat and its routing flips with them, so a fixed bound would measure the
+    checkpoint, not the kernels."""
+    src = {**tiny_checkpoints, **moe_checkpoints}[kind]
+    path = write_block_fp8_checkpoint(src, tmp_path / kind, (32, 32))
+    cpu = LLM(str(path), multiprocess=False, device="cpu", dtype="float32")
+    prompts = [cpu.get_tokenizer().encode(t) for t in TEXTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = cpu.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    continuations = [list(o.outputs[0].token_ids) for o in outputs]
+    cpu_bf16 = LLM(str(path), multiprocess=False, device="cpu", dtype="bfloat16")
+    reference = _top1_agreement(cpu_bf16, prompts, continuations)
+    cuda = LLM(str(path), multiprocess=False, device="cuda", dtype="bfloat16", num_gpu_blocks_override=512)
+    agreement = _top1_agreement(cuda, prompts, continuations)
+    # 0.15: ten of the 64 tokens, for kernels that round in another order than torch's CPU ops.
+    assert agreement >= reference - 0.15, (agreement, reference)

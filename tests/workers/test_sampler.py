@@ -185,6 +185,26 @@ def test_logprobs_come_from_raw_logits(num_logprobs: int) -> None:
         assert out.logprob_token_ids[row, 1:].tolist() == top.indices.tolist()
 
 
+def test_top_logprobs_order_equal_values_by_token_id_whatever_the_batch() -> None:
+    """bfloat16 logits tie often; a row's top-n list (ids and order) is its own, in any batch."""
+    gen = torch.Generator().manual_seed(5)
+    row = torch.randn(VOCAB, generator=gen).to(torch.bfloat16).float()
+    row[[3, 17, 40]] = row.max() + 1  # a three-way tie at the top
+    row[[8, 9]] = -float("inf")  # masked tokens
+    logprobs = row.log_softmax(-1)
+    values, ids = sampler_module.top_logprobs(logprobs[None], 5)
+    assert ids[0, :3].tolist() == [3, 17, 40]
+    expected = sorted(range(VOCAB), key=lambda t: (-float(logprobs[t]), t))[:5]
+    assert ids[0].tolist() == expected and torch.equal(values[0], logprobs[expected])
+    for batch_size in (2, 7, 64):
+        batch = torch.randn(batch_size, VOCAB, generator=gen).log_softmax(-1)
+        batch[batch_size // 2] = logprobs
+        in_batch_values, in_batch_ids = sampler_module.top_logprobs(batch, 5)
+        assert in_batch_ids[batch_size // 2].tolist() == expected
+        assert torch.equal(in_batch_values[batch_size // 2], values[0])
+    assert sampler_module.top_logprobs(logprobs[None], 0)[1].shape == (1, 0)
+
+
 # ---- logit_bias and grammar bitmasks ------------------------------------------------------------
 
 
