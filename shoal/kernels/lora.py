@@ -13,10 +13,18 @@ buffer. The references below are static-shape too: every slot's product, masked 
 A long eager step (prefill chunks) takes the grouped form instead: the step's tokens grouped by
 slot on the host once (`groups`: each slot with its rows), then two GEMMs per adapter present,
 as S-LoRA's prefill does: the per-token kernels would read each adapter's A and B once per token.
+
+On CUDA the shrink and expand take the step's tokens sorted by slot (`LoRASegments`, made on the
+host from the slot map by `sort_tokens_by_slot`): the segment kernels
+(shoal/kernels/triton/lora_segments.py) load each piece of an adapter once for a tile of its
+tokens. The per-token kernels (shoal/kernels/triton/lora.py) serve the MoE experts' entries.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from shoal.kernels.dispatch import registered_kernel
@@ -41,20 +49,48 @@ def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, slot
     return y
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The registered "lora_shrink" kernel on CUDA, the reference elsewhere."""
-    kernel = registered_kernel("lora_shrink", x)
+@dataclass
+class LoRASegments:
+    """A step's tokens sorted by slot: `sorted_tokens` [>= T] the token indices, each slot's
+    tokens together in token order; `starts` and `counts` [num_slots] where each slot's tokens
+    begin in it and how many there are. The base model's tokens are in no segment."""
+
+    starts: torch.Tensor  # int32
+    counts: torch.Tensor  # int32
+    sorted_tokens: torch.Tensor  # int32
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, num_slots: int) -> LoRASegments:
+        """Views of a `sort_tokens_by_slot` array, or of a buffer with room for the largest step
+        (the views stay put from step to step, as a CUDA graph needs)."""
+        return cls(packed[:num_slots], packed[num_slots : 2 * num_slots], packed[2 * num_slots :])
+
+
+def sort_tokens_by_slot(token_slots: np.ndarray, num_slots: int) -> np.ndarray:
+    """[starts | counts | sorted tokens] int32 for token_slots [T] (-1: the base model), in one
+    array for one copy to the device (`LoRASegments.of` views it)."""
+    order = np.argsort(token_slots, kind="stable")  # the base model's tokens (-1) first
+    counts = np.bincount(token_slots[token_slots >= 0], minlength=num_slots)[:num_slots]
+    starts = np.count_nonzero(token_slots < 0) + np.cumsum(counts) - counts
+    return np.concatenate([starts, counts, order]).astype(np.int32)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor, segments: LoRASegments) -> torch.Tensor:
+    """The registered "lora_shrink_segments" kernel on CUDA, the reference elsewhere."""
+    kernel = registered_kernel("lora_shrink_segments", x)
     if kernel is None:
         return lora_shrink_ref(x, lora_a, slots)
-    return kernel(x, lora_a, slots)  # type: ignore[return-value]
+    return kernel(x, lora_a, segments)  # type: ignore[return-value]
 
 
-def lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The registered "lora_expand" kernel on CUDA, the reference elsewhere."""
-    kernel = registered_kernel("lora_expand", y)
+def lora_expand(
+    y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor, segments: LoRASegments
+) -> torch.Tensor:
+    """The registered "lora_expand_segments" kernel on CUDA, the reference elsewhere."""
+    kernel = registered_kernel("lora_expand_segments", y)
     if kernel is None:
         return lora_expand_ref(y, h, lora_b, slots)
-    return kernel(y, h, lora_b, slots)  # type: ignore[return-value]
+    return kernel(y, h, lora_b, segments)  # type: ignore[return-value]
 
 
 def lora_shrink_grouped(x: torch.Tensor, lora_a: torch.Tensor, groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from shoal.distributed.parallel_state import get_tp_group
-from shoal.kernels.lora import lora_expand, lora_expand_grouped, lora_shrink, lora_shrink_grouped
+from shoal.kernels.lora import (
+    LoRASegments,
+    lora_expand,
+    lora_expand_grouped,
+    lora_shrink,
+    lora_shrink_grouped,
+    sort_tokens_by_slot,
+)
 from shoal.layers.activation import silu_and_mul
 from shoal.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -36,6 +43,8 @@ class TokenSlots:
     every LoRA layer reads its first `num_tokens` rows of (a CUDA graph replays with it)."""
 
     slots: torch.Tensor  # [max_num_tokens] int32
+    # The same step's tokens sorted by slot (static device buffers too), for the GPU kernels.
+    segments: LoRASegments
     # Eager steps in which no token has an adapter skip the deltas (never under CUDA graphs,
     # whose captured forwards must include them); the MoE experts' deltas likewise in eager
     # steps whose adapters have none (shoal/lora/expert_layers.py).
@@ -47,6 +56,12 @@ class TokenSlots:
     groups: list[tuple[int, torch.Tensor]] | None = None
     groups_num_tokens: int = -1
 
+    @classmethod
+    def of(cls, slots: torch.Tensor, num_slots: int) -> TokenSlots:
+        """The buffers of one slot map (a forward outside the engine's steps: tests)."""
+        packed = sort_tokens_by_slot(slots.cpu().numpy(), num_slots)
+        return cls(slots, LoRASegments.of(torch.from_numpy(packed).to(slots.device), num_slots))
+
     def grouped(self, num_tokens: int) -> list[tuple[int, torch.Tensor]] | None:
         return self.groups if num_tokens == self.groups_num_tokens else None
 
@@ -55,14 +70,14 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: TokenSlots) -> to
     groups = token_slots.grouped(x.shape[0])
     if groups is not None:
         return lora_shrink_grouped(x, lora_a, groups)
-    return lora_shrink(x, lora_a, token_slots.slots[: x.shape[0]])
+    return lora_shrink(x, lora_a, token_slots.slots[: x.shape[0]], token_slots.segments)
 
 
 def expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, token_slots: TokenSlots) -> torch.Tensor:
     groups = token_slots.grouped(y.shape[0])
     if groups is not None:
         return lora_expand_grouped(y, h, lora_b, groups)
-    return lora_expand(y, h, lora_b, token_slots.slots[: y.shape[0]])
+    return lora_expand(y, h, lora_b, token_slots.slots[: y.shape[0]], token_slots.segments)
 
 
 # Each wrapped layer's slices: (the base layer's shard id, the Hugging Face module name's part

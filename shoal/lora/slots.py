@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shoal.config import LoRAConfig
+from shoal.kernels.lora import LoRASegments, sort_tokens_by_slot
 from shoal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.lora.expert_layers import ExpertSlots, ModelExperts
 from shoal.lora.layers import LoRALayer, TokenSlots, add_lora
@@ -50,7 +51,12 @@ class LoRASlots:
     ) -> None:
         self.config = lora_config
         self.num_layers = num_layers
-        self.token_slots = TokenSlots(torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device))
+        num_slots = lora_config.max_loras
+        self._segments = torch.zeros(2 * num_slots + max_num_tokens, dtype=torch.int32, device=device)
+        self.token_slots = TokenSlots(
+            torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device),
+            LoRASegments.of(self._segments, num_slots),
+        )
         self.skip_idle_steps = skip_idle_steps
         # Steps of more tokens than this (never a CUDA graph's) group their tokens by slot.
         self.grouped_min_tokens = grouped_min_tokens
@@ -71,7 +77,10 @@ class LoRASlots:
         self.req_adapter: dict[str, str] = {}  # request id → adapter name (requests with one)
         self._num_tokens_set = 0
         pin = device.type == "cuda"
-        self._staging = [torch.empty(max_num_tokens, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        # Per step: the token slots, then [starts | counts | sorted tokens] (sort_tokens_by_slot).
+        self._staging = [
+            torch.empty(max_num_tokens + self._segments.numel(), dtype=torch.int32, pin_memory=pin) for _ in range(2)
+        ]
         self._stage_index = 0
 
     # ---- adapters in and out ------------------------------------------------------------------
@@ -160,7 +169,10 @@ class LoRASlots:
         token_slots = np.repeat(req_slots, num_scheduled)
         num_tokens = len(token_slots)
         buffer = self.token_slots.slots
-        buffer[:num_tokens].copy_(self._staged(token_slots), non_blocking=True)
+        segments = sort_tokens_by_slot(token_slots, self.config.max_loras)
+        staged = self._staged(token_slots, segments)
+        buffer[:num_tokens].copy_(staged[:num_tokens], non_blocking=True)
+        self._segments[: len(segments)].copy_(staged[num_tokens:], non_blocking=True)
         if self._num_tokens_set > num_tokens:  # a CUDA graph's padding rows: the base model
             buffer[num_tokens : self._num_tokens_set].fill_(-1)
         self._num_tokens_set = num_tokens
@@ -169,12 +181,14 @@ class LoRASlots:
         self.token_slots.experts_active = experts or not self.skip_idle_steps
         self._group_tokens(token_slots, slot_of.values())
 
-    def _staged(self, token_slots: np.ndarray) -> torch.Tensor:
-        """The host copy of the step's token slots, in one of two pinned staging buffers used in
-        turn on a GPU (a step's copy may still be queued while the next is prepared)."""
+    def _staged(self, token_slots: np.ndarray, segments: np.ndarray) -> torch.Tensor:
+        """The host copy of the step's token slots and segments, in one of two pinned staging
+        buffers used in turn on a GPU (a step's copies may still be queued while the next is
+        prepared)."""
         self._stage_index ^= 1
-        staging = self._staging[self._stage_index][: len(token_slots)]
-        staging.numpy()[:] = token_slots
+        staging = self._staging[self._stage_index][: len(token_slots) + len(segments)]
+        staging.numpy()[: len(token_slots)] = token_slots
+        staging.numpy()[len(token_slots) :] = segments
         return staging
 
     def _group_tokens(self, token_slots: np.ndarray, slots: Iterable[int]) -> None:

@@ -39,7 +39,7 @@ def _rank_output(rank: int, world_size: int, expert_parallel: bool, x, topk_weig
             layer = FusedMoE(E, TOP_K, HIDDEN, INTERMEDIATE)
             layer.weight_loader(layer.w13_weight, checkpoint["w13"], "w13")
             layer.weight_loader(layer.w2_weight, checkpoint["w2"], "w2")
-            token_slots = TokenSlots(slots)
+            token_slots = TokenSlots.of(slots, 2)
             holders = add_expert_lora(layer, "experts", 2, RANK, token_slots, torch.float32)
             adapter = {k: v for k, v in checkpoint.items() if k.startswith("experts.")}
             for holder in holders:  # the adapter in slot 1, slot 0 empty
@@ -71,7 +71,7 @@ def test_quantized_experts_refuse_expert_adapters() -> None:
     with fake_tp_group(0, 1):
         layer = FusedMoE(E, TOP_K, 32, 32, quant_config=block_fp8, prefix="mlp.experts")
     model = torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"experts": layer})})
-    experts = ModelExperts(model, 2, RANK, TokenSlots(torch.full((4,), -1, dtype=torch.int32)), torch.float32)
+    experts = ModelExperts(model, 2, RANK, TokenSlots.of(torch.full((4,), -1, dtype=torch.int32), 2), torch.float32)
     assert not experts.holders
     experts.check({"layers.0.self_attn.q_proj": (torch.zeros(2, 4), torch.zeros(4, 2))})  # the rest is served
     module = (torch.zeros(E, RANK, 32), torch.zeros(E, 64, RANK))

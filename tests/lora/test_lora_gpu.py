@@ -1,6 +1,6 @@
 """LoRA on a GPU (run on the GPU machine: python -m pytest -m gpu tests/lora): decode steps replay
-CUDA graphs with adapters active (the Triton per-token kernels reading the slots from their
-static buffer), prefill chunks take the grouped GEMMs; greedy output equals transformers + peft
+CUDA graphs with adapters active (the Triton segment kernels reading the slots and segments
+from their static buffers), prefill chunks take the grouped GEMMs; greedy output equals transformers + peft
 in float32, and a mixed batch equals each request alone and the eager engine."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def register_triton_kernels() -> bool:
     from shoal.kernels.triton.fused_moe_block_fp8 import triton_fused_moe_block_fp8
     from shoal.kernels.triton.fused_moe_lora import triton_fused_moe_lora
     from shoal.kernels.triton.gemv import triton_gemv
-    from shoal.kernels.triton.lora import triton_lora_expand, triton_lora_shrink
+    from shoal.kernels.triton.lora_segments import triton_lora_expand_segments, triton_lora_shrink_segments
     from shoal.kernels.triton.mla_decode import triton_concat_and_cache_mla, triton_mla_decode
     from shoal.kernels.triton.paged_attention import triton_paged_attention
     from shoal.kernels.triton.per_token_group_quant_fp8 import triton_per_token_group_quant_fp8
@@ -65,8 +65,8 @@ def register_triton_kernels() -> bool:
     register_kernel("softmax_topk", triton_softmax_topk)
     register_kernel("w8a8_block_fp8_matmul", triton_w8a8_block_fp8_matmul)
     register_kernel("fused_moe_block_fp8", triton_fused_moe_block_fp8)
-    register_kernel("lora_shrink", triton_lora_shrink)
-    register_kernel("lora_expand", triton_lora_expand)
+    register_kernel("lora_shrink_segments", triton_lora_shrink_segments)
+    register_kernel("lora_expand_segments", triton_lora_expand_segments)
     register_kernel("fused_moe_lora", triton_fused_moe_lora)
     register_kernel("bi_matmul", triton_bi_matmul)
     register_kernel("bi_rms_norm", triton_bi_rms_norm)

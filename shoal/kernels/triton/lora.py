@@ -1,4 +1,6 @@
-"""Batched LoRA shrink and expand on the GPU (semantics and references: shoal/kernels/lora.py).
+"""Batched LoRA shrink and expand on the GPU, a token at a time (semantics and references:
+shoal/kernels/lora.py): the MoE experts' LoRA (shoal/kernels/triton/fused_moe_lora.py), whose
+entries are not sorted by slot; the dense layers take the segment kernels (lora_segments.py).
 
 Shrink: one program per (token, block of K): the token's slot picks its A, the program takes
 the dot of its piece of x with every rank row and adds it into h (float32) atomically, so long
@@ -60,7 +62,7 @@ def _lora_expand_kernel(
 
 
 def triton_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The registered "lora_shrink": `lora_shrink_ref`'s arguments and result."""
+    """`lora_shrink_ref`'s arguments and result."""
     num_tokens, in_size = x.shape
     _, rank, _ = lora_a.shape
     h = torch.zeros(num_tokens, rank, dtype=torch.float32, device=x.device)
@@ -79,7 +81,7 @@ def triton_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tenso
 
 
 def triton_lora_expand(y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The registered "lora_expand": `lora_expand_ref`'s arguments; y updated in place and returned."""
+    """`lora_expand_ref`'s arguments; y updated in place and returned."""
     num_tokens, out_size = y.shape
     rank = lora_b.shape[2]
     if num_tokens == 0:
