@@ -13,8 +13,9 @@ CASES = [
     (1, 40, 40, 4, 8, torch.float32),
     (12, 128, 256, 5, 64, torch.bfloat16),
 ]
-# More tokens than one 16-row tile of a slot, and an input past one K split of the segment kernels.
-SEGMENT_CASES = [(70, 300, 130, 3, 16, torch.float32)]
+# Slots of several tokens a tile, of more than one 64-token tile, and an input past one K split
+# of the segment kernels.
+SEGMENT_CASES = [(70, 300, 130, 3, 16, torch.float32), (260, 64, 80, 3, 16, torch.float16)]
 
 
 def make_inputs(num_tokens, in_size, out_size, num_slots, rank, dtype, device="cpu"):

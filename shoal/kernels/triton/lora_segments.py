@@ -6,10 +6,12 @@ token: at a decode batch of 256 an expand of a gate_up projection reads its 1.8 
 Here a program takes a tile of up to BLOCK_M tokens of one slot (from `LoRASegments`) and loads
 each piece of that slot's A or B once for the tile, as a tensor-core product.
 
-Grid: (token tiles, K splits for the shrink / output blocks for the expand, slots). The grid
-depends only on the number of tokens and slots, so a decode step replays in a CUDA graph with
-the segments in static buffers; a program past its slot's token count returns at once, as do
-all of a slot that no token uses. Shrink: each program adds its K split's partial product into h
+Grid: (tiles, K splits for the shrink / output blocks for the expand). A tile is up to BLOCK_M
+tokens of one slot, the tiles of slot 0 first; a program finds its slot and tile by walking the
+slots' counts. T tokens over S slots make at most cdiv(T, BLOCK_M) + min(S, T) - 1 tiles (each
+used slot adds at most one partial tile), so the grid depends only on T and S and a decode step
+replays in a CUDA graph with the segments in static buffers, and a batch-1 step launches one
+tile's programs, not one per slot. Programs past the step's tiles return at once. Shrink: each program adds its K split's partial product into h
 (float32, atomically: at decode the splits spread the long K over many programs). Expand: each
 (token, output) element is written by one program, h rounded to B's dtype for the product (as
 the grouped GEMMs do).
@@ -37,28 +39,44 @@ def _block_m(num_tokens: int) -> int:
     return min(64, max(16, triton.next_power_of_2(num_tokens)))
 
 
+def _max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
+    return triton.cdiv(num_tokens, block_m) + min(num_slots, num_tokens) - 1
+
+
 @triton.jit
-def _segment_tokens(sorted_tokens_ptr, starts_ptr, counts_ptr, slot, m_block, BLOCK_M: tl.constexpr):
-    """(token indices [BLOCK_M] int64, valid mask, whether the tile has any token)."""
-    count = tl.load(counts_ptr + slot)
-    start = tl.load(starts_ptr + slot)
+def _tile_tokens(sorted_tokens_ptr, starts_ptr, counts_ptr, num_slots, tile, BLOCK_M: tl.constexpr):
+    """This program's tile: (slot, -1 past the step's tiles; token indices [BLOCK_M] int64; mask)."""
+    slot = -1
+    m_block = 0
+    first = 0  # the first tile of slot s
+    for s in range(0, num_slots):
+        tiles = (tl.load(counts_ptr + s) + BLOCK_M - 1) // BLOCK_M
+        here = (tile >= first) & (tile < first + tiles)
+        slot = tl.where(here, s, slot)
+        m_block = tl.where(here, tile - first, m_block)
+        first += tiles
+    in_step = slot >= 0
+    safe_slot = tl.maximum(slot, 0)
+    count = tl.where(in_step, tl.load(counts_ptr + safe_slot), 0)
     ms = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = ms < count
+    start = tl.load(starts_ptr + safe_slot)
     tokens = tl.load(sorted_tokens_ptr + start + ms, mask=valid, other=0).to(tl.int64)
-    return tokens, valid, m_block * BLOCK_M < count
+    return slot, tokens, valid
 
 
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, h_ptr, sorted_tokens_ptr, starts_ptr, counts_ptr,
-    in_size, rank,
+    num_slots, in_size, rank,
     stride_x, stride_a_slot, stride_a_rank, stride_h,
     K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    m_block, split, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    tokens, valid, any_token = _segment_tokens(sorted_tokens_ptr, starts_ptr, counts_ptr, slot, m_block, BLOCK_M)
-    if any_token:
+    split = tl.program_id(1)
+    slot, tokens, valid = _tile_tokens(sorted_tokens_ptr, starts_ptr, counts_ptr, num_slots, tl.program_id(0), BLOCK_M)
+    if slot >= 0:
+        slot = slot.to(tl.int64)
         rs = tl.arange(0, BLOCK_R)
         acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
         for k_start in range(split * K_PER_SPLIT, split * K_PER_SPLIT + K_PER_SPLIT, BLOCK_K):
@@ -77,13 +95,14 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     y_ptr, h_ptr, b_ptr, sorted_tokens_ptr, starts_ptr, counts_ptr,
-    out_size, rank,
+    num_slots, out_size, rank,
     stride_y, stride_h, stride_b_slot, stride_b_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    m_block, n_block, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    tokens, valid, any_token = _segment_tokens(sorted_tokens_ptr, starts_ptr, counts_ptr, slot, m_block, BLOCK_M)
-    if any_token:
+    n_block = tl.program_id(1)
+    slot, tokens, valid = _tile_tokens(sorted_tokens_ptr, starts_ptr, counts_ptr, num_slots, tl.program_id(0), BLOCK_M)
+    if slot >= 0:
+        slot = slot.to(tl.int64)
         rs = tl.arange(0, BLOCK_R)
         ns = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_valid = ns < out_size
@@ -109,9 +128,9 @@ def triton_lora_shrink_segments(x: torch.Tensor, lora_a: torch.Tensor, segments:
         return h
     x = x if x.stride(1) == 1 else x.contiguous()
     block_m = _block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(in_size, _K_PER_SPLIT), num_slots)
+    grid = (_max_tiles(num_tokens, num_slots, block_m), triton.cdiv(in_size, _K_PER_SPLIT))
     _shrink_kernel[grid](
-        x, lora_a, h, segments.sorted_tokens, segments.starts, segments.counts, in_size, rank,
+        x, lora_a, h, segments.sorted_tokens, segments.starts, segments.counts, num_slots, in_size, rank,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0),
         K_PER_SPLIT=_K_PER_SPLIT, BLOCK_M=block_m, BLOCK_K=_BLOCK_K, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         DOT_PRECISION=_dot_precision(x.dtype),
@@ -128,9 +147,9 @@ def triton_lora_expand_segments(
     if num_tokens == 0:
         return y
     block_m = _block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_size, _BLOCK_N), num_slots)
+    grid = (_max_tiles(num_tokens, num_slots, block_m), triton.cdiv(out_size, _BLOCK_N))
     _expand_kernel[grid](
-        y, h, lora_b, segments.sorted_tokens, segments.starts, segments.counts, out_size, rank,
+        y, h, lora_b, segments.sorted_tokens, segments.starts, segments.counts, num_slots, out_size, rank,
         y.stride(0), h.stride(0), lora_b.stride(0), lora_b.stride(1),
         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         DOT_PRECISION=_dot_precision(lora_b.dtype),
