@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from shoal.kernels.batch_invariant_attention import KV_TILE, Q_TILE
+from shoal.kernels.triton.precision import dot_precision
 
 LOG2E = 1.4426950408889634
 # The GEMM's one configuration (not tuned: a fixed choice is the point; tuning may change it for
@@ -32,10 +33,6 @@ LOG2E = 1.4426950408889634
 MATMUL_BLOCK_M, MATMUL_BLOCK_N, MATMUL_BLOCK_K = 64, 64, 64
 MATMUL_WARPS, MATMUL_STAGES = 4, 3
 NORM_BLOCK = 1024
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 exactly; other dtypes ignore it
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -92,7 +89,7 @@ def triton_bi_matmul(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
         out, x, weight, bias if bias is not None else weight, num_rows, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MATMUL_BLOCK_M, BLOCK_N=MATMUL_BLOCK_N, BLOCK_K=MATMUL_BLOCK_K,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES,
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES,
     )  # fmt: skip
 
 
@@ -226,5 +223,5 @@ def triton_bi_paged_attention(
         cache.stride(0), cache.stride(1), cache.stride(2),
         HEADS_PER_KV=heads_per_kv, HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size, Q_TILE=Q_TILE, BLOCK_M=max(16, triton.next_power_of_2(Q_TILE * heads_per_kv)),
-        KV_TILE=KV_TILE, DOT_PRECISION=_dot_precision(query.dtype), num_warps=4, num_stages=2,
+        KV_TILE=KV_TILE, DOT_PRECISION=dot_precision(query.dtype), num_warps=4, num_stages=2,
     )  # fmt: skip

@@ -11,10 +11,11 @@ tokens of one slot, the tiles of slot 0 first; a program finds its slot and tile
 slots' counts. T tokens over S slots make at most cdiv(T, BLOCK_M) + min(S, T) - 1 tiles (each
 used slot adds at most one partial tile), so the grid depends only on T and S and a decode step
 replays in a CUDA graph with the segments in static buffers, and a batch-1 step launches one
-tile's programs, not one per slot. Programs past the step's tiles return at once. Shrink: each program adds its K split's partial product into h
-(float32, atomically: at decode the splits spread the long K over many programs). Expand: each
-(token, output) element is written by one program, h rounded to B's dtype for the product (as
-the grouped GEMMs do).
+tile's programs, not one per slot. Programs past the step's tiles return at once.
+
+Shrink: each program adds its K split's partial product into h (float32, atomically: at decode
+the splits spread the long K over many programs). Expand: each (token, output) element is
+written by one program, h rounded to B's dtype for the product (as the grouped GEMMs do).
 """
 
 from __future__ import annotations
@@ -24,15 +25,12 @@ import triton
 import triton.language as tl
 
 from shoal.kernels.lora import LoRASegments
+from shoal.kernels.triton.precision import dot_precision
 
 # K elements a shrink program reduces (BLOCK_K at a time): a 4096-wide input is 16 programs a tile.
 _K_PER_SPLIT = 256
 _BLOCK_K = 64
 _BLOCK_N = 64
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 exactly; other dtypes ignore it
 
 
 def _block_m(num_tokens: int) -> int:
@@ -43,24 +41,28 @@ def _max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
     return triton.cdiv(num_tokens, block_m) + min(num_slots, num_tokens) - 1
 
 
+def _block_r(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))  # tl.dot's smallest side
+
+
 @triton.jit
 def _tile_tokens(sorted_tokens_ptr, starts_ptr, counts_ptr, num_slots, tile, BLOCK_M: tl.constexpr):
     """This program's tile: (slot, -1 past the step's tiles; token indices [BLOCK_M] int64; mask)."""
     slot = -1
     m_block = 0
+    count = 0  # the slot's tokens (0 past the step's tiles: no token valid)
     first = 0  # the first tile of slot s
     for s in range(0, num_slots):
-        tiles = (tl.load(counts_ptr + s) + BLOCK_M - 1) // BLOCK_M
+        tokens_of_s = tl.load(counts_ptr + s)
+        tiles = (tokens_of_s + BLOCK_M - 1) // BLOCK_M
         here = (tile >= first) & (tile < first + tiles)
         slot = tl.where(here, s, slot)
         m_block = tl.where(here, tile - first, m_block)
+        count = tl.where(here, tokens_of_s, count)
         first += tiles
-    in_step = slot >= 0
-    safe_slot = tl.maximum(slot, 0)
-    count = tl.where(in_step, tl.load(counts_ptr + safe_slot), 0)
     ms = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = ms < count
-    start = tl.load(starts_ptr + safe_slot)
+    start = tl.load(starts_ptr + tl.maximum(slot, 0))
     tokens = tl.load(sorted_tokens_ptr + start + ms, mask=valid, other=0).to(tl.int64)
     return slot, tokens, valid
 
@@ -132,8 +134,8 @@ def triton_lora_shrink_segments(x: torch.Tensor, lora_a: torch.Tensor, segments:
     _shrink_kernel[grid](
         x, lora_a, h, segments.sorted_tokens, segments.starts, segments.counts, num_slots, in_size, rank,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), h.stride(0),
-        K_PER_SPLIT=_K_PER_SPLIT, BLOCK_M=block_m, BLOCK_K=_BLOCK_K, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        DOT_PRECISION=_dot_precision(x.dtype),
+        K_PER_SPLIT=_K_PER_SPLIT, BLOCK_M=block_m, BLOCK_K=_BLOCK_K, BLOCK_R=_block_r(rank),
+        DOT_PRECISION=dot_precision(x.dtype),
     )  # fmt: skip
     return h
 
@@ -151,7 +153,7 @@ def triton_lora_expand_segments(
     _expand_kernel[grid](
         y, h, lora_b, segments.sorted_tokens, segments.starts, segments.counts, num_slots, out_size, rank,
         y.stride(0), h.stride(0), lora_b.stride(0), lora_b.stride(1),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        DOT_PRECISION=_dot_precision(lora_b.dtype),
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_R=_block_r(rank),
+        DOT_PRECISION=dot_precision(lora_b.dtype),
     )  # fmt: skip
     return y

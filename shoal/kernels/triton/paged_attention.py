@@ -51,6 +51,7 @@ import triton.language as tl
 from shoal.kernels import fresh_prefill_attention as fresh
 from shoal.kernels.fresh_prefill_attention import FreshPrefillPlan
 from shoal.kernels.triton import num_sms
+from shoal.kernels.triton.precision import dot_precision
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its partial write than it saves
@@ -352,10 +353,6 @@ def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
     return cache.stride(0), cache.stride(1), cache.stride(2)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 exactly; other dtypes ignore it
-
-
 def _unified_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -399,7 +396,7 @@ def _unified_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=tuning.block_n if head_pad <= 128 else min(tuning.block_n, 32),
-        DOT_PRECISION=_dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
         SKIP_DECODES=skip_decodes,
         SKIP_FRESH=skip_fresh,
         num_warps=tuning.num_warps,
@@ -475,7 +472,7 @@ def _decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)),
         BLOCK_N=block_n,
         SPLIT=num_splits > 1,
-        DOT_PRECISION=_dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
         HEADS_FASTEST=heads_fastest,
         HAS_ORDER=decode_order is not None,
         num_warps=tuning.num_warps,
